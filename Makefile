@@ -1,0 +1,58 @@
+# The distributed training handbook: one command to set up, build and check everything.
+#
+#   make build         create .venv if needed, execute every notebook, build the HTML into _build/html
+#   make test          unit tests, the faulty-notebook tests, then the full book build with warnings as errors
+#   make chapter CH=00 execute and check one chapter (fast feedback while reading or writing)
+#   make torchrun CH=00 NPROC=4   run a chapter's %%px cells as a script under torchrun
+#   make lab           JupyterLab on the notebooks, with jupytext pairing
+#   make sync          write each notebook's .ipynb pair from its .md (and back, whichever is newer)
+#   make clean         remove _build and the .ipynb pairs
+#
+# BOOK_BACKEND=nccl switches every chapter to nccl/cuda (one rank per GPU); the default is gloo/cpu.
+
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+NPROC ?= 4
+CH ?= 00
+
+# Every command that may start ranks runs under the reaper: whatever it leaves alive is ended.
+REAP := $(PY) -m helpers.reap --
+
+.PHONY: build test unit chapter torchrun lab sync clean venv
+
+venv: $(STAMP)
+
+$(STAMP): requirements.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --disable-pip-version-check -r requirements.txt
+	# helpers/ importable from the kernels, the engines and torchrun's workers, wherever they start
+	echo "$(CURDIR)" > "$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/handbook.pth"
+	touch $(STAMP)
+
+# A clean build every time: an incremental build skips unchanged pages and would not re-execute them.
+build: $(STAMP)
+	rm -rf _build
+	$(REAP) $(PY) -m helpers.build .
+	@echo "HTML: _build/html/index.html"
+
+unit: $(STAMP)
+	$(REAP) $(PY) -m pytest -q tests
+
+test: unit build
+
+chapter: $(STAMP)
+	$(REAP) $(PY) -m helpers.run_chapter $(CH)
+
+torchrun: $(STAMP)
+	$(REAP) $(PY) -m helpers.px_script $(CH) --nproc $(NPROC)
+
+sync: $(STAMP)
+	$(VENV)/bin/jupytext --sync notebooks/[0-9][0-9]_*.md
+
+lab: sync
+	$(VENV)/bin/jupyter lab --ServerApp.ip=127.0.0.1 notebooks
+
+clean:
+	rm -rf _build notebooks/*.ipynb notebooks/.ipynb_checkpoints

@@ -1,0 +1,38 @@
+"""Exercise checkers that are themselves checked.
+
+A chapter's exercise has three parts on the page: the task (a ``{exercise}`` directive), a *checker* (a
+function that runs an answer against the single-process reference through :mod:`helpers.checks` and raises
+``CheckFailed`` with a message that says what is wrong), and a solution inside ``{solution-start}`` /
+``{solution-end}`` with ``:class: dropdown``, which the build executes. The chapter then calls :func:`verify`:
+
+    verify("ring all-reduce", checker, solution=ring_all_reduce,
+           wrong={"reduces in the wrong order": wrong_order, "skips a chunk": missing_chunk})
+
+which runs the checker on the solution (it must pass) and on each known-wrong answer (each must be rejected).
+A checker that accepts a wrong answer fails the build, so a reader can trust a checker that says "correct".
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from .checks import RESULTS, CheckFailed, CheckResult, _where
+
+
+def verify(exercise: str, checker: Callable, *, solution, wrong: dict[str, object]) -> None:
+    """The checker accepts ``solution`` and rejects every answer in ``wrong`` (label -> answer)."""
+    if not wrong:
+        raise ValueError(f"exercise {exercise!r}: give at least one wrong answer the checker must reject")
+    checker(solution)
+    for label, answer in wrong.items():
+        before = len(RESULTS)
+        try:
+            checker(answer)
+        except CheckFailed as err:
+            # the planted failure is expected: keep one passing row instead of the failed ones
+            del RESULTS[before:]
+            RESULTS.append(CheckResult(f"exercise {exercise}: rejects '{label}'", _where(), 0.0, 0.0,
+                                       "must reject", True))
+            print(f"ok  the checker rejects '{label}': {str(err).splitlines()[0][:160]}")
+            continue
+        raise CheckFailed(f"exercise {exercise!r}: the checker accepted a wrong answer ('{label}')")

@@ -1,0 +1,208 @@
+"""Ranks in a notebook: N ipyparallel engines, each one rank of one ``torch.distributed`` process group.
+
+``ranks = start_ranks(4)`` starts a controller (listening on 127.0.0.1 only) and four engines, joins them into
+one process group through a rendezvous file, and makes them the target of ``%%px``. The view behind ``%%px``
+is *blocking*: a cell waits for every rank, and an exception on any rank is raised in the notebook (a
+non-blocking view would print it and carry on, and a failed check would not fail the build).
+
+Three things make sure no engine outlives the notebook:
+
+- the collective timeout (see :mod:`helpers.dist`) is shorter than a cell's timeout, so a rank stuck in a
+  collective raises instead of hanging the cell;
+- ``ranks.stop()`` runs when the kernel exits (atexit), and when ``start_ranks`` is called again;
+- a small janitor process (:mod:`helpers.janitor`) kills the engines and the controller if the kernel dies
+  without running atexit (killed, or restarted from JupyterLab).
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+from . import dist as book_dist
+
+_current: "Ranks | None" = None
+
+
+class Ranks:
+    """A running set of ranks: the engines in rank order, and ways to talk to them from the kernel."""
+
+    def __init__(self, cluster, client, world_size: int, store_dir: str, janitor: subprocess.Popen):
+        self.cluster = cluster
+        self.client = client
+        self.world_size = world_size
+        self.backend = book_dist.backend()
+        self._store_dir = store_dir
+        self._janitor = janitor
+        self.view = client[list(range(world_size))]  # engine id i is rank i (see start_ranks)
+        self.view.block = True
+        self.pids = self.view.apply_sync(os.getpid)
+
+    def pull(self, name: str) -> list:
+        """The value of ``name`` on every rank, as a list indexed by rank."""
+        return self.view.pull(name, block=True)
+
+    def push(self, **values) -> None:
+        """Set the same variables on every rank."""
+        self.view.push(values, block=True)
+
+    def apply(self, fn, *args, **kwargs) -> list:
+        """Call ``fn`` on every rank; the results as a list indexed by rank."""
+        return self.view.apply_sync(fn, *args, **kwargs)
+
+    def connections(self) -> list[tuple[int, int, int]]:
+        """Measured TCP connections among the kernel, the controller and the engines.
+
+        A list of ``(pid_a, pid_b, count)``: ``count`` established connections between the two processes
+        (the controller's worker processes are counted as the controller).
+        """
+        import psutil
+
+        controller = self.cluster.controller.process.pid
+        owner = {os.getpid(): os.getpid(), controller: controller}
+        for child in psutil.Process(controller).children(recursive=True):
+            owner[child.pid] = controller
+        owner.update({pid: pid for pid in self.pids})
+        by_address, links = {}, []
+        for pid in owner:
+            for conn in psutil.Process(pid).net_connections(kind="tcp"):
+                if conn.status == psutil.CONN_ESTABLISHED:
+                    by_address[tuple(conn.laddr)] = owner[pid]
+                    links.append((owner[pid], tuple(conn.raddr)))
+        counts: dict[tuple[int, int], int] = {}
+        for pid, remote in links:
+            peer = by_address.get(remote)
+            if peer is not None and peer != pid:
+                key = (min(pid, peer), max(pid, peer))
+                counts[key] = counts.get(key, 0) + 1
+        # each connection was seen from both ends
+        return [(a, b, n // 2) for (a, b), n in sorted(counts.items())]
+
+    def stop(self) -> None:
+        """Stop the engines and the controller; safe to call twice."""
+        global _current
+        if self.cluster is None:
+            return
+        cluster, self.cluster = self.cluster, None
+        # Kill the engines outright: one may be stuck in a collective, and an engine asked to stop with
+        # SIGTERM takes the launcher's full 5 s grace period.
+        for pid in self.pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        try:
+            self.client.close()
+        finally:
+            try:
+                cluster.stop_cluster_sync()
+            finally:
+                self._janitor.terminate()
+                self._janitor.wait()
+                for name in os.listdir(self._store_dir):
+                    os.unlink(os.path.join(self._store_dir, name))
+                os.rmdir(self._store_dir)
+                if _current is self:
+                    _current = None
+
+    def __repr__(self) -> str:
+        state = "running" if self.cluster is not None else "stopped"
+        return f"<Ranks world_size={self.world_size} backend={self.backend} {state}>"
+
+
+def _join(rank: int, world_size: int, store_file: str, timeout_s: float, workdir: str, threads: int) -> int:
+    """Runs on each engine: become rank ``rank`` of the process group."""
+    import os
+
+    import torch
+
+    os.chdir(workdir)
+    torch.set_num_threads(threads)  # N engines share the cores; more threads would only contend
+    from helpers import dist as book_dist
+
+    book_dist.init_process_group(rank=rank, world_size=world_size, store_file=store_file,
+                                 timeout_s=timeout_s)
+    return os.getpid()
+
+
+def start_ranks(world_size: int = 4, *, timeout_s: float | None = None, activate: bool = True) -> Ranks:
+    """Start ``world_size`` ranks and make them the target of ``%%px``.
+
+    ``timeout_s`` is the collective timeout (default ``BOOK_COLLECTIVE_TIMEOUT``, 60 s).
+    """
+    global _current
+    import ipyparallel as ipp
+    from traitlets.config import Config
+
+    if world_size < 1:
+        raise ValueError(f"world_size must be at least 1, got {world_size}")
+    if book_dist.backend() == "nccl":
+        import torch
+
+        if torch.cuda.device_count() < world_size:
+            raise ValueError(f"BOOK_BACKEND=nccl puts one rank on each GPU: {world_size} ranks need "
+                             f"{world_size} GPUs, this machine has {torch.cuda.device_count()}")
+    if _current is not None:
+        _current.stop()
+    timeout_s = book_dist.collective_timeout() if timeout_s is None else timeout_s
+
+    # No nanny process per engine: it costs a few seconds of start-up on two cores, and the engines are
+    # stopped by signal (stop, janitor) rather than through it.
+    config = Config()
+    config.LocalEngineSetLauncher.engine_args = ["--IPEngine.enable_nanny=False"]
+    cluster = ipp.Cluster(n=world_size, controller_ip="127.0.0.1", log_level=logging.ERROR, config=config)
+    cluster.start_cluster_sync()
+    client = cluster.connect_client_sync()
+    client.wait_for_engines(world_size, timeout=120, interactive=False)  # no progress bar on the page
+    if sorted(client.ids) != list(range(world_size)):
+        cluster.stop_cluster_sync()
+        raise RuntimeError(f"expected engine ids 0..{world_size - 1}, got {client.ids}")
+    controller_pid = cluster.controller.process.pid
+    engine_pids = client[:].apply_sync(os.getpid)
+    janitor = subprocess.Popen(
+        [sys.executable, "-m", "helpers.janitor", str(os.getpid()), str(controller_pid),
+         *map(str, engine_pids)],
+        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        start_new_session=True,
+        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+    )
+    store_dir = tempfile.mkdtemp(prefix="book-rendezvous-")
+    store_file = os.path.join(store_dir, "store")
+    workdir = os.getcwd()
+    threads = max(1, (os.cpu_count() or 1) // world_size)
+    ranks = None
+    try:
+        # All ranks must join at once: launch every join, then wait for all of them.
+        pending = [client[rank].apply_async(_join, rank, world_size, store_file, timeout_s, workdir,
+                                             threads)
+                   for rank in range(world_size)]
+        deadline = time.monotonic() + timeout_s + 30
+        for result in pending:
+            result.get(timeout=max(1.0, deadline - time.monotonic()))
+        ranks = Ranks(cluster, client, world_size, store_dir, janitor)
+    finally:
+        if ranks is None:
+            janitor.terminate()
+            cluster.stop_cluster_sync()
+    _current = ranks
+    if activate:
+        ranks.view.activate()
+        from IPython import get_ipython
+
+        shell = get_ipython()
+        if shell is not None:
+            # Output grouped by rank, in rank order, once every rank is done: the same page on every build.
+            shell.run_line_magic("pxconfig", "--no-stream --progress-after -1")
+    return ranks
+
+
+@atexit.register
+def _stop_at_exit() -> None:
+    if _current is not None:
+        _current.stop()

@@ -1,0 +1,54 @@
+"""Whole builds: faulty notebooks fail it with their messages, the exercise machinery passes under -W."""
+
+import os
+import shutil
+import subprocess
+import sys
+
+from test_ranks import book_processes, wait_until_gone
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BOOKS = os.path.join(ROOT, "tests", "books")
+
+
+def build(source: str, out: str) -> subprocess.CompletedProcess:
+    """Build as `make build` does: under the reaper, through helpers.build (-W -n --keep-going)."""
+    cmd = [sys.executable, "-m", "helpers.reap", "--", sys.executable, "-m", "helpers.build", source,
+           "--path-output", out]
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
+
+
+def test_faulty_notebooks_fail_the_build_and_say_why(tmp_path):
+    assert not book_processes()
+    done = build(os.path.join(BOOKS, "faulty"), str(tmp_path))
+    print(done.stdout[-4000:], done.stderr[-2000:])
+    assert done.returncode != 0
+    summary = done.stdout[done.stdout.index("==== the book build failed"):]
+    # a mismatch raised on one rank in a %%px cell: the rank, the check and its numbers
+    assert "rank_mismatch.md" in summary
+    assert "check 'planted rank mismatch' failed on rank 1: max abs error 1.500e+00" in summary
+    # a failed comparison in the kernel
+    assert "check 'planted kernel mismatch' failed on kernel: max abs error 5.000e-01" in summary
+    # one rank waiting in a collective the others never join: a bounded failure, not a hang
+    assert "hung_collective.md" in summary and "timed out" in summary.lower()
+    # the kernel itself killed while its ranks run
+    assert "killed_kernel.md" in summary and "DeadKernelError" in summary
+    assert wait_until_gone(5) == [], "a faulty build left processes behind"
+
+
+def test_exercise_solution_runs_at_build_time(tmp_path):
+    done = build(os.path.join(BOOKS, "exercise"), str(tmp_path / "good"))
+    assert done.returncode == 0, done.stdout[-4000:]
+    html = open(tmp_path / "good" / "_build" / "html" / "mean_exercise.html").read()
+    assert "dropdown" in html and "solution" in html
+    assert "the checker rejects &#39;sums without dividing&#39;" in html or \
+           "the checker rejects 'sums without dividing'" in html
+
+    # a wrong solution must fail the build: the solution really is executed and checked
+    broken = tmp_path / "broken"
+    shutil.copytree(os.path.join(BOOKS, "exercise"), broken)
+    page = broken / "mean_exercise.md"
+    page.write_text(page.read_text().replace("return sum(grads) / len(grads)", "return sum(grads)"))
+    done = build(str(broken), str(tmp_path / "broken-out"))
+    assert done.returncode != 0
+    assert "check \"average of 4 ranks' gradients\" failed on kernel" in done.stdout

@@ -1,0 +1,121 @@
+"""Ranks start, talk, time out instead of hanging, listen on loopback only, and leave nothing behind."""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import ipyparallel as ipp
+import psutil
+import pytest
+
+from helpers.ranks import start_ranks
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def book_processes() -> list[str]:
+    """Live engines, controllers, janitors and torchrun agents on this machine."""
+    found = []
+    for proc in psutil.process_iter(["pid", "cmdline", "status"]):
+        cmd = " ".join(proc.info["cmdline"] or [])
+        if proc.info["status"] != psutil.STATUS_ZOMBIE and any(
+                key in cmd for key in ("ipyparallel.engine", "ipyparallel.controller", "helpers.janitor",
+                                       "torch.distributed.run")):
+            found.append(f"{proc.info['pid']} {cmd}")
+    return found
+
+
+def wait_until_gone(deadline_s: float = 10.0) -> list[str]:
+    end = time.monotonic() + deadline_s
+    while (left := book_processes()) and time.monotonic() < end:
+        time.sleep(0.2)
+    return left
+
+
+@pytest.fixture(scope="module")
+def ranks():
+    assert not book_processes(), "processes from an earlier run are still alive"
+    r = start_ranks(2, timeout_s=3, activate=False)
+    yield r
+    r.stop()
+    assert wait_until_gone() == []
+
+
+@ipp.interactive  # sent by value: the engines cannot import this test module
+def _all_reduce_rank_plus_one():
+    import torch
+    import torch.distributed as dist
+
+    x = torch.tensor([dist.get_rank() + 1.0])
+    dist.all_reduce(x)
+    return dist.get_rank(), x.item()
+
+
+def test_ranks_form_one_group(ranks):
+    assert ranks.apply(_all_reduce_rank_plus_one) == [(0, 3.0), (1, 3.0)]
+    assert ranks.pull("__name__") == ["__main__", "__main__"]
+
+
+def test_every_listener_is_on_loopback(ranks):
+    pids = {os.getpid(), ranks.cluster.controller.process.pid, *ranks.pids}
+    pids |= {c.pid for c in psutil.Process(ranks.cluster.controller.process.pid).children(recursive=True)}
+    listening = [(pid, c.laddr) for pid in pids for c in psutil.Process(pid).net_connections(kind="tcp")
+                 if c.status == psutil.CONN_LISTEN]
+    assert listening, "expected the controller to listen"
+    assert all(addr.ip == "127.0.0.1" for _, addr in listening), listening
+
+
+@ipp.interactive
+def _lonely_all_reduce():
+    import torch
+    import torch.distributed as dist
+
+    dist.all_reduce(torch.ones(1))  # the other rank never joins
+
+
+def test_a_collective_nobody_joins_times_out(ranks):
+    started = time.monotonic()
+    with pytest.raises(Exception, match="(?i)timed out"):
+        ranks.client[0].apply_sync(_lonely_all_reduce)
+    assert time.monotonic() - started < 30
+
+
+def test_janitor_kills_the_ranks_of_a_killed_kernel(tmp_path):
+    """A 'kernel' that dies by SIGKILL never runs atexit; its engines must die all the same."""
+    script = tmp_path / "kernel.py"
+    script.write_text(textwrap.dedent("""
+        import os, signal, psutil
+        from helpers.ranks import start_ranks
+        ranks = start_ranks(2, activate=False)
+        controller = psutil.Process(ranks.cluster.controller.process.pid)
+        pids = ranks.pids + [controller.pid] + [c.pid for c in controller.children(recursive=True)]
+        print(" ".join(map(str, pids)), flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+    """))
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == -signal.SIGKILL, done.stderr
+    pids = [int(p) for p in done.stdout.split()]
+    assert len(pids) > 3
+    deadline = time.monotonic() + 10
+    while any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids):
+        assert time.monotonic() < deadline, "engines outlived their kernel"
+        time.sleep(0.2)
+
+
+def test_reaper_ends_orphans_and_keeps_the_status():
+    cmd = [sys.executable, "-m", "helpers.reap", "--", "sh", "-c",
+           "sleep 301 & setsid sleep 302 & exit 3"]
+    started = time.monotonic()
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert done.returncode == 3
+    assert "ended 2 process(es)" in done.stderr, done.stderr
+    assert time.monotonic() - started < 20
+    assert not [p for p in psutil.process_iter(["cmdline"]) if (p.info["cmdline"] or [None])[-1] in ("301", "302")]
+
+
+def test_bad_world_size_is_refused():
+    with pytest.raises(ValueError, match="world_size must be at least 1"):
+        start_ranks(0)
