@@ -14,25 +14,42 @@ import subprocess
 import sys
 import time
 
+JB_FLAGS = ("-W", "-n", "--keep-going")  # warnings (a failed notebook among them) are errors; report them all
 ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
-GENERIC = ("ExecutionError", "CellExecutionError", "RuntimeError: ", "SphinxError", "Exception occurred")
+NOISE = re.compile(r"Traceback \(most recent call last\)|^nbclient\.exceptions\.CellExecutionError|"
+                   r"^myst_nb\.core\.execute|^RuntimeError:\s*$|^SphinxError|^Exception occurred")
+EXECUTING = re.compile(r"^(\S+\.(?:md|ipynb)): Executing notebook using")
+FAILED = re.compile(r"^(\S+\.(?:md|ipynb)): WARNING: Executing notebook failed")
+SAVED = re.compile(r"^(\S+\.(?:md|ipynb)): WARNING: Notebook exception traceback saved")
+RANK_HEADER = re.compile(r"^\[(\d+):(?:execute|apply)\]:?\s*$")
 ERROR_LINE = re.compile(r"^(?:\[\d+:\w+\]\s*)?[A-Za-z_.]*(?:Error|Failed|Exception|Timeout\w*)\b:?.*")
 
 
 def summarize(log: str) -> list[str]:
-    """The lines worth repeating at the end of a failed build's log."""
-    failed, errors, warnings = [], [], []
+    """The lines worth repeating at the end of a failed build's log, each error with its notebook and rank."""
+    errors, warnings = [], []
+    # myst-nb logs "X: Executing notebook" as it starts each one, but a failed notebook's traceback only later,
+    # after "X: WARNING: Executing notebook failed" and before "X: WARNING: Notebook exception traceback saved".
+    # An error outside such a block (a dead kernel stops the build at once) belongs to the last one started.
+    started, notebook, rank = "?", "?", None
     for line in (ANSI.sub("", raw).rstrip() for raw in log.splitlines()):
-        if line.startswith("myst_nb.core.execute.base.ExecutionError: "):
-            failed.append(line.split(": ", 1)[1])
+        if executing := EXECUTING.match(line):
+            started = notebook = os.path.relpath(executing.group(1))
+            rank = None
+        elif failed := FAILED.match(line):
+            notebook, rank = os.path.relpath(failed.group(1)), None
+            warnings.append(line)
+        elif SAVED.match(line):
+            notebook, rank = started, None
+            warnings.append(line)
+        elif header := RANK_HEADER.match(line):
+            rank = header.group(1)
         elif re.search(r"(WARNING|ERROR):", line) and "Kernel is running over TCP" not in line:
             warnings.append(line)
-        elif ERROR_LINE.match(line) and not line.startswith(GENERIC) and not line.startswith(" "):
-            errors.append(line)
-    out = []
-    for path in dict.fromkeys(failed):
-        out.append(f"notebook failed: {path}")
-    out += [f"  {e}" for e in dict.fromkeys(errors)]
+        elif ERROR_LINE.match(line) and not NOISE.search(line):
+            errors.append(f"{notebook}: " + (f"on rank {rank}: {line}" if rank is not None else line))
+            rank = None
+    out = [f"  {e}" for e in dict.fromkeys(errors)]
     out += [f"warning: {w}" for w in dict.fromkeys(warnings)]
     return out
 
@@ -40,7 +57,7 @@ def summarize(log: str) -> list[str]:
 def main(argv: list[str]) -> int:
     source = argv[0] if argv else "."
     jupyter_book = os.path.join(os.path.dirname(sys.executable), "jupyter-book")
-    cmd = [jupyter_book, "build", source, "-W", "-n", "--keep-going", *argv[1:]]
+    cmd = [jupyter_book, "build", source, *JB_FLAGS, *argv[1:]]
     started = time.monotonic()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
     lines = []

@@ -24,15 +24,20 @@ def test_faulty_notebooks_fail_the_build_and_say_why(tmp_path):
     print(done.stdout[-4000:], done.stderr[-2000:])
     assert done.returncode != 0
     summary = done.stdout[done.stdout.index("==== the book build failed"):]
+    failed = lambda name: f"{name}.md: WARNING: Executing notebook failed" in summary
     # a mismatch raised on one rank in a %%px cell: the rank, the check and its numbers
-    assert "rank_mismatch.md" in summary
-    assert "check 'planted rank mismatch' failed on rank 1: max abs error 1.500e+00" in summary
+    assert failed("1_rank_mismatch")
+    assert "1_rank_mismatch.md: on rank 1: CheckFailed: check 'planted rank mismatch' failed on rank 1: " \
+           "max abs error 1.500e+00" in summary
     # a failed comparison in the kernel
-    assert "check 'planted kernel mismatch' failed on kernel: max abs error 5.000e-01" in summary
+    assert failed("2_kernel_mismatch")
+    assert "2_kernel_mismatch.md: CheckFailed: check 'planted kernel mismatch' failed on kernel: " \
+           "max abs error 5.000e-01" in summary
     # one rank waiting in a collective the others never join: a bounded failure, not a hang
-    assert "hung_collective.md" in summary and "timed out" in summary.lower()
-    # the kernel itself killed while its ranks run
-    assert "killed_kernel.md" in summary and "DeadKernelError" in summary
+    assert failed("3_hung_collective")
+    assert "3_hung_collective.md: on rank 0: RuntimeError:" in summary and "Timed out waiting 5000ms" in summary
+    # the kernel itself killed while its ranks run: this one stops the build
+    assert "4_killed_kernel.md: nbclient.exceptions.DeadKernelError: Kernel died" in summary
     assert wait_until_gone(5) == [], "a faulty build left processes behind"
 
 
