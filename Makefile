@@ -52,7 +52,7 @@ sync: $(STAMP)
 	$(VENV)/bin/jupytext --sync notebooks/[0-9][0-9]_*.md
 
 lab: sync
-	$(VENV)/bin/jupyter lab --ServerApp.ip=127.0.0.1 notebooks
+	$(VENV)/bin/jupyter lab --ServerApp.ip=127.0.0.1 $(if $(filter 0,$(shell id -u)),--allow-root) notebooks
 
 clean:
 	rm -rf _build notebooks/*.ipynb notebooks/.ipynb_checkpoints
