@@ -24,10 +24,11 @@ REAP := $(PY) -m helpers.reap --
 
 venv: $(STAMP)
 
+# The .pth file makes helpers/ importable from the kernels, the engines and torchrun's workers, wherever
+# they start.
 $(STAMP): requirements.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --disable-pip-version-check -r requirements.txt
-	# helpers/ importable from the kernels, the engines and torchrun's workers, wherever they start
 	echo "$(CURDIR)" > "$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/handbook.pth"
 	touch $(STAMP)
 

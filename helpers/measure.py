@@ -1,0 +1,86 @@
+"""Measure what a computation really holds and does, to set against the calculator of chapter 01.
+
+- :func:`saved_tensors` records every tensor autograd keeps for backward (``saved_tensors_hooks``), once per
+  storage, leaving out the parameters (they are counted as parameters, not activations);
+- :func:`optimizer_state_bytes` sums the tensors an optimizer keeps in its state;
+- :func:`count_flops` counts matmul FLOPs with PyTorch's ``FlopCounterMode``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils.flop_counter import FlopCounterMode
+
+
+def tensor_bytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def saved_tensors(fn, module: torch.nn.Module | None = None) -> dict[int, tuple[int, tuple, torch.dtype]]:
+    """Run ``fn()``; every distinct storage autograd saved: ``{storage pointer: (bytes, shape, dtype)}``."""
+    params = {p.untyped_storage().data_ptr() for p in module.parameters()} if module is not None else set()
+    saved = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params:
+            saved[storage.data_ptr()] = (storage.nbytes(), tuple(t.shape), t.dtype)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return saved
+
+
+def attention_backend(materialized: bool):
+    """PyTorch's math attention (softmax probabilities materialized) or its default fused kernel."""
+    return sdpa_kernel(SDPBackend.MATH) if materialized else contextlib.nullcontext()
+
+
+def saved_bytes_per_layer(cfg, micro_batch: int, seq_len: int, materialized: bool = False) -> int:
+    """Bytes one transformer layer of the book's GPT saves: a 2-layer model's minus a 1-layer model's."""
+    from dataclasses import replace
+
+    from .model import GPT
+
+    totals = []
+    for n_layers in (1, 2):
+        model = GPT(replace(cfg, n_layers=n_layers), seed=0)
+        idx = torch.randint(0, cfg.vocab_size, (micro_batch, seq_len), generator=torch.Generator().manual_seed(0))
+        with attention_backend(materialized):
+            saved = saved_tensors(lambda: model(idx, idx), model)
+        totals.append(sum(b for b, _, _ in saved.values()))
+    return totals[1] - totals[0]
+
+
+def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of every tensor in the optimizer's state (moments, step counters)."""
+    return tensor_bytes(v for state in optimizer.state.values() for v in state.values() if torch.is_tensor(v))
+
+
+def matmul_flop_rate(n: int = 512, repeats: int = 20) -> float:
+    """FLOP/s of this process on an n x n fp32 matmul: the best of ``repeats`` timings."""
+    import time
+
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    best = float("inf")
+    for _ in range(repeats):
+        started = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - started)
+    return 2 * n**3 / best
+
+
+def count_flops(fn, materialized_attention: bool = True) -> dict[str, int]:
+    """Matmul FLOPs of ``fn()`` by operator, as ``FlopCounterMode`` counts them.
+
+    The counter has no formula for the CPU's fused attention kernel, so by default attention runs as PyTorch's
+    math implementation, whose batched matmuls it does count.
+    """
+    counter = FlopCounterMode(display=False)
+    with attention_backend(materialized_attention), counter:
+        fn()
+    return {str(op): n for op, n in counter.get_flop_counts()["Global"].items()}

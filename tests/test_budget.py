@@ -1,0 +1,124 @@
+"""The budget calculator: parameter counts, the ZeRO rule, activations, FLOPs, traffic, and its errors."""
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from helpers import budget as B
+from helpers.model import GPT, GPTConfig
+
+
+def test_preset_parameter_counts_match_the_architectures():
+    assert B.count_params(B.GPT2_SMALL).total == 124_439_808  # the GPT-2 small release
+    assert B.count_params(B.LLAMA3_8B).total == 8_030_261_248
+    assert B.count_params(B.LLAMA3_70B).total == 70_553_706_496
+    assert B.active_params(B.MIXTRAL_8X7B) == 12_879_925_248
+    for model in B.PRESETS:
+        total, active = B.NOMINAL_PARAMS[model.name]
+        assert abs(B.count_params(model).total / total - 1) < 0.01
+        assert abs(B.active_params(model) / active - 1) < 0.01
+
+
+@pytest.mark.parametrize("cfg", [GPTConfig(), GPTConfig(tie_embeddings=False, gated=True, n_kv_heads=4)])
+def test_the_books_gpt_is_counted_exactly(cfg):
+    model = GPT(cfg)
+    assert B.count_params(B.ModelShape.from_gpt(cfg)).total == sum(p.numel() for p in model.parameters())
+
+
+def test_zero_rule_reproduces_figure_1_of_the_zero_paper():
+    psi = 7_500_000_000  # 7.5B parameters, Nd = 64, K = 12
+    gb = [sum(B.model_state_bytes(psi, 64, z, B.BF16)) / 1e9 for z in range(4)]
+    assert [round(g, 1) for g in gb] == [120.0, 31.4, 16.6, 1.9]
+
+
+def test_korthikanti_closed_forms():
+    s, b, h, a, t = 2048, 4, 1024, 16, 4
+    m = B.ModelShape("k", 1, h, a, a, 4 * h, 64, gated=False, norm="layernorm")
+    act = lambda **kw: B.layer_activation_bytes(m, s, b, B.KORTHIKANTI if not kw.get("r") else
+                                               replace(B.KORTHIKANTI, recompute=kw["r"]), B.BF16,
+                                               kw.get("t", 1), kw.get("sp", False))
+    sbh = s * b * h
+    assert act() == sbh * 34 + 5 * a * s * s * b
+    assert act(t=t) == sbh * 10 + sbh * 24 // t + 5 * a * s * s * b // t
+    assert act(t=t, sp=True) == sbh * 34 // t + 5 * a * s * s * b // t
+    assert act(t=t, r="selective") == sbh * 10 + sbh * 24 // t
+    assert act(t=t, sp=True, r="selective") == sbh * 34 // t
+    assert act(r="full") == 2 * sbh
+
+
+def test_flops_are_six_n_t_plus_attention():
+    batch = B.Batch(seq_len=2048, micro_batch=1, global_batch=64)
+    f = B.step_flops(B.LLAMA3_8B, batch)
+    tokens = 64 * 2048
+    assert f["linear"] == 6 * B.matmul_params(B.LLAMA3_8B) * tokens
+    assert f["attention"] == 3 * 32 * 4 * tokens * 2048 * 4096
+    assert B.step_flops(B.LLAMA3_8B, batch, "full")["total"] == f["total"] + f["linear"] // 3 + f["attention"] // 3
+
+
+def test_zero_stages_shard_what_they_should():
+    batch = B.Batch(4096, 1, 64)
+    states = {z: B.budget(B.LLAMA3_8B, batch, B.Layout(dp=8, zero=z)) for z in range(4)}
+    n = B.count_params(B.LLAMA3_8B).total
+    assert states[0].optimizer_bytes == 12 * n
+    assert states[1].optimizer_bytes == 12 * -(-n // 8) and states[1].grad_bytes == 2 * n
+    assert states[2].grad_bytes == 2 * -(-n // 8) and states[2].param_bytes == 2 * n
+    assert states[3].param_bytes == 2 * -(-n // 8)
+    # traffic: ZeRO-1/2 move as many bytes as an all-reduce; ZeRO-3 half as much again
+    assert states[1].sent["dp"] == states[0].sent["dp"] == 2 * 7 / 8 * 2 * n
+    assert states[3].sent["dp"] == pytest.approx(1.5 * states[0].sent["dp"] * batch.global_batch / 8)
+
+
+def test_tensor_and_sequence_parallel_traffic_is_the_same():
+    batch = B.Batch(4096, 1, 8)
+    tp = B.budget(B.LLAMA3_8B, batch, B.Layout(tp=8))
+    sp = B.budget(B.LLAMA3_8B, batch, B.Layout(tp=8, sp=True))
+    assert tp.sent["tp"] == sp.sent["tp"]
+    assert sp.activation_bytes < tp.activation_bytes
+
+
+def test_uneven_pipeline_stages():
+    assert [len(r) for r in B.stage_layers(126, 16)] == [8] * 14 + [7] * 2
+    b = B.budget(B.LLAMA3_405B, B.Batch(8192, 1, 2048), B.Layout(dp=128, tp=8, pp=16, vpp=2, sp=True, zero=1))
+    assert b.params_on_rank > 0
+
+
+def test_step_time_and_mfu_are_sane():
+    b = B.budget(B.LLAMA3_70B, B.Batch(8192, 1, 1024), B.Layout(dp=8, tp=8, pp=4, zero=1, sp=True))
+    t = B.step_time(b, B.H100)
+    assert 0 < t.mfu < B.H100.efficiency
+    assert t.step_s > t.compute_s
+
+
+@pytest.mark.parametrize("layout, batch, message", [
+    (B.Layout(tp=3), B.Batch(4096, 1, 8), "tp=3 must divide the attention heads of Llama-3 8B"),
+    (B.Layout(tp=16), B.Batch(4096, 1, 8), "tp=16 must divide the KV heads"),
+    (B.Layout(pp=33), B.Batch(4096, 1, 8), r"pp\*vpp=33\*1 model chunks need at least as many layers"),
+    (B.Layout(cp=3), B.Batch(4096, 1, 8), "cp=3 must divide the sequence length"),
+    (B.Layout(dp=4), B.Batch(4096, 1, 6), "must be a multiple of dp\\*micro_batch"),
+    (B.Layout(dp=2, ep=2), B.Batch(4096, 1, 8), "ep=2 > 1 but Llama-3 8B has no experts"),
+])
+def test_bad_layouts_name_the_constraint(layout, batch, message):
+    with pytest.raises(ValueError, match=message):
+        B.budget(B.LLAMA3_8B, batch, layout)
+
+
+def test_bad_layout_fields_are_refused_at_once():
+    with pytest.raises(ValueError, match="needs tp > 1"):
+        B.Layout(sp=True)
+    with pytest.raises(ValueError, match="ZeRO stage"):
+        B.Layout(zero=4)
+    with pytest.raises(ValueError, match="ep=3 must divide dp\\*cp=4"):
+        B.Layout(dp=4, ep=3)
+    with pytest.raises(ValueError, match="world size 16 != dp\\*tp\\*pp\\*cp"):
+        B.budget(B.LLAMA3_8B, B.Batch(4096, 1, 8), B.Layout(dp=8), world_size=16)
+
+
+def test_measured_activations_of_the_books_gpt():
+    """The calculator's profile of the book's GPT equals what autograd saves, per layer, exactly."""
+    from helpers.measure import saved_bytes_per_layer
+
+    cfg = GPTConfig()
+    act = B.ActivationModel(attention="flash", kv_expanded=True, norm_stat_bytes=8)
+    shape = B.ModelShape.from_gpt(cfg)
+    assert saved_bytes_per_layer(cfg, 2, 32) == B.layer_activation_bytes(shape, 32, 2, act, B.FP32)
