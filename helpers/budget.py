@@ -19,7 +19,7 @@ published tables, against autograd and against PyTorch's FLOP counter can be exa
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 
 # --------------------------------------------------------------------------------------------- the inputs
@@ -600,20 +600,3 @@ NOMINAL_PARAMS = {"GPT-2 small": (124e6, 124e6), "Llama-3 8B": (8e9, 8e9), "Llam
 
 H100 = Cluster("8x H100 SXM per node, NVLink 4 and 8x400 Gb/s InfiniBand", gpus_per_node=8,
                peak_flops=989e12, intra_bw=360e9, inter_bw=45e9)
-
-
-def with_layout(b: Budget, **changes) -> Budget:
-    """The same problem with some layout fields changed."""
-    return budget(b.model, b.batch, replace(b.layout, **changes), b.precision, b.activations_model)
-
-
-def gib(n_bytes: float) -> float:
-    return n_bytes / 2**30
-
-
-def human(n: float) -> str:
-    for unit, scale in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
-        if abs(n) >= scale:
-            return f"{n / scale:.3g}{unit}"
-    return f"{n:.3g}"
-
