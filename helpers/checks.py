@@ -19,6 +19,7 @@ says where in the reference the shard *does* fit (the usual cause: a wrong rank 
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import asdict, dataclass
 
 
@@ -192,6 +193,15 @@ def check_shard(name: str, shard, full, *, dim: int, offset: int, rtol: float | 
         raise
 
 
+def worst(prefix: str) -> tuple[float, float, int]:
+    """The largest max-abs and max-rel errors among this process's recorded checks named ``prefix...``, and
+    how many there were: a one-line summary of many quiet checks."""
+    rows = [r for r in RESULTS if r.name.startswith(prefix)]
+    if not rows:
+        raise CheckFailed(f"no check named {prefix!r}... was recorded")
+    return max(r.max_abs for r in rows), max(r.max_rel for r in rows), len(rows)
+
+
 def clear() -> None:
     """Forget the recorded results (at the start of a chapter, and on each rank when ranks start)."""
     RESULTS.clear()
@@ -240,20 +250,32 @@ def collect(ranks=None) -> list[CheckResult]:
 
 
 def summary_table(rows: list[CheckResult]) -> str:
-    """A Markdown table: one row per check name, with the ranks it ran on and its worst error."""
+    """A Markdown table, one row per check with its worst error.
+
+    Rows that differ only in a dict key (``grads[w1]``, ``grads[w2]``) or in a ``, rank r`` suffix are merged
+    into one, which says how many tensors and which ranks it covers.
+    """
     merged: dict[tuple[str, str], dict] = {}
     for r in rows:
-        key = (r.name, r.tolerance)
-        entry = merged.setdefault(key, {"where": [], "max_abs": 0.0, "max_rel": 0.0, "passed": True})
+        base = re.sub(r"\[[^\]]*\]$", "", r.name)
+        about = re.match(r"^(.*), rank (\d+)$", base)
+        base = about.group(1) if about else base
+        entry = merged.setdefault((base, r.tolerance), {"where": [], "max_abs": 0.0, "max_rel": 0.0,
+                                                        "passed": True, "n": 0, "of_ranks": set()})
         entry["where"].append(r.where)
+        entry["n"] += 1
+        if about:
+            entry["of_ranks"].add(int(about.group(2)))
         entry["max_abs"] = max(entry["max_abs"], r.max_abs)
         entry["max_rel"] = max(entry["max_rel"], r.max_rel)
         entry["passed"] &= r.passed
-    lines = ["| check | where | max abs error | max rel error | tolerance | pass |",
-             "|---|---|---|---|---|---|"]
+    lines = ["| check | where | comparisons | max abs error | max rel error | tolerance | pass |",
+             "|---|---|---|---|---|---|---|"]
     for (name, tol), e in merged.items():
         where = _where_label(e["where"])
-        lines.append(f"| `{name}` | {where} | {e['max_abs']:.2e} | {e['max_rel']:.2e} | {tol} | "
+        if e["of_ranks"]:
+            where += f" (results of {_where_label([f'rank {r}' for r in e['of_ranks']])})"
+        lines.append(f"| {name} | {where} | {e['n']} | {e['max_abs']:.2e} | {e['max_rel']:.2e} | {tol} | "
                      f"{'yes' if e['passed'] else '**NO**'} |")
     return "\n".join(lines)
 

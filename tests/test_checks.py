@@ -128,7 +128,10 @@ def test_report_lists_every_check_and_raises_on_a_failure():
 def test_summary_table_merges_ranks():
     rows = [checks.CheckResult("g", f"rank {r}", 1e-7 * r, 1e-7, "rtol=1e-06, atol=0e+00", True) for r in range(4)]
     table = checks.summary_table(rows)
-    assert "| `g` | ranks 0–3 | 3.00e-07 |" in table
+    assert "| g | ranks 0–3 | 4 | 3.00e-07 |" in table
+    merged = checks.summary_table([checks.CheckResult(f"grads, rank {r}[w{i}]", "kernel", 1e-8, 1e-7, "rtol", True)
+                                   for r in range(2) for i in range(3)])
+    assert "| grads | kernel (results of ranks 0–1) | 6 | 1.00e-08 | 1.00e-07 | rtol | yes |" in merged
 
 
 def test_confirm_failure_requires_the_failure_where_it_was_planted():
