@@ -21,6 +21,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from .ledger import cost_terms
+
 
 # --------------------------------------------------------------------------------------------- the inputs
 
@@ -479,12 +481,12 @@ def budget(model: ModelShape, batch: Batch, layout: Layout, precision: Precision
 
 def ring_all_reduce_bytes(n_bytes: int, n: int) -> float:
     """Bytes one rank sends in a ring all-reduce of ``n_bytes`` over ``n`` ranks: 2(n-1)/n of the buffer."""
-    return 2 * (n - 1) * n_bytes / n
+    return cost_terms("ring_all_reduce", n)[1] * n_bytes
 
 
 def ring_all_gather_bytes(n_bytes: int, n: int) -> float:
     """All-gather (or reduce-scatter) of an ``n_bytes`` result: (n-1)/n of it, per rank."""
-    return (n - 1) * n_bytes / n
+    return cost_terms("ring_all_gather", n)[1] * n_bytes
 
 
 def _traffic(model, batch, L: Layout, P: Precision, act: ActivationModel, dense: int, expert: int, m: int):

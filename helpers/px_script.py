@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import glob
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -74,7 +75,7 @@ def px_cells(path: str) -> list[str]:
             raise ValueError(f"{path}: a %%px cell aimed at some ranks only cannot run under torchrun:\n"
                              f"{cell.source}")
         body = "\n".join(lines[1:])
-        if any(line.lstrip().startswith(("%", "!")) for line in lines[1:]):
+        if any(re.match(r"\s*(%%?[A-Za-z]|!)", line) for line in lines[1:]):
             raise ValueError(f"{path}: a %%px cell with IPython magics cannot run as a script:\n{cell.source}")
         cells.append(body)
     if not cells:
@@ -108,10 +109,14 @@ def main(argv=None) -> int:
     parser.add_argument("--nproc", type=int, default=4)
     parser.add_argument("--print", action="store_true", help="print the script instead of running it")
     args = parser.parse_args(argv)
-    if args.print:
-        print(export(notebook_path(args.chapter)))
-        return 0
-    done = run(args.chapter, args.nproc)
+    try:
+        if args.print:
+            print(export(notebook_path(args.chapter)))
+            return 0
+        done = run(args.chapter, args.nproc)
+    except ValueError as err:
+        print(f"px_script: {err}", file=sys.stderr)
+        return 2
     sys.stdout.write(done.stdout)
     sys.stderr.write(done.stderr)
     return done.returncode

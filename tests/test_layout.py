@@ -77,3 +77,16 @@ def test_requirements_are_pinned():
     unpinned = [l for l in lines if not re.fullmatch(r"[A-Za-z0-9_.\-\[\]]+==[A-Za-z0-9_.+\-]+", l)]
     assert not unpinned, unpinned
     assert "torch==2.13.0" in lines and "jupyter-book==1.0.4.post1" in lines
+
+
+def test_every_chapters_distributed_code_exports_for_torchrun():
+    """The %%px cells of each chapter form a script (no magics, no cells aimed at some ranks only)."""
+    from helpers import px_script
+
+    for path in chapters():
+        try:
+            script = px_script.export(path)
+        except ValueError as err:
+            assert "has no %%px cells" in str(err), err
+            continue
+        compile(script, path, "exec")
