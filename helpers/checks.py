@@ -281,7 +281,7 @@ def summary_table(rows: list[CheckResult]) -> str:
 
 
 def _where_label(where: list[str]) -> str:
-    ranks = sorted(int(w.split()[1]) for w in where if w.startswith("rank "))
+    ranks = sorted({int(w.split()[1]) for w in where if w.startswith("rank ")})
     parts = [w for w in dict.fromkeys(where) if not w.startswith("rank ")]
     if ranks:
         contiguous = ranks == list(range(ranks[0], ranks[-1] + 1))
