@@ -252,12 +252,12 @@ def collect(ranks=None) -> list[CheckResult]:
 def summary_table(rows: list[CheckResult]) -> str:
     """A Markdown table, one row per check with its worst error.
 
-    Rows that differ only in a dict key (``grads[w1]``, ``grads[w2]``) or in a ``, rank r`` suffix are merged
-    into one, which says how many tensors and which ranks it covers.
+    Rows that differ only in a dict key (``grads[w1]``, ``grads[w2]``), a shard's placement or a ``, rank r``
+    suffix are merged into one, which says how many tensors and which ranks it covers.
     """
     merged: dict[tuple[str, str], dict] = {}
     for r in rows:
-        base = re.sub(r"\[[^\]]*\]$", "", r.name)
+        base = re.sub(r" \(dim \d+, offset \d+, length \d+\)$", "", re.sub(r"\[[^\]]*\]$", "", r.name))
         about = re.match(r"^(.*), rank (\d+)$", base)
         base = about.group(1) if about else base
         entry = merged.setdefault((base, r.tolerance), {"where": [], "max_abs": 0.0, "max_rel": 0.0,

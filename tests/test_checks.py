@@ -132,6 +132,9 @@ def test_summary_table_merges_ranks():
     merged = checks.summary_table([checks.CheckResult(f"grads, rank {r}[w{i}]", "kernel", 1e-8, 1e-7, "rtol", True)
                                    for r in range(2) for i in range(3)])
     assert "| grads | kernel (results of ranks 0–1) | 6 | 1.00e-08 | 1.00e-07 | rtol | yes |" in merged
+    shards = checks.summary_table([checks.CheckResult(f"rows, rank {r} (dim 0, offset {4 * r}, length 4)", "kernel",
+                                                      0.0, 0.0, "exact", True) for r in range(3)])
+    assert "| rows | kernel (results of ranks 0–2) | 3 |" in shards
 
 
 def test_confirm_failure_requires_the_failure_where_it_was_planted():
