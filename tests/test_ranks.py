@@ -17,14 +17,24 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def book_processes() -> list[str]:
-    """Live engines, controllers, janitors and torchrun agents on this machine."""
+    """Live engines, controllers, janitors and torchrun agents started by this test session.
+
+    Every process the session starts inherits its ``BOOK_TEST_RUN`` marker (tests/conftest.py), so a notebook
+    someone runs beside the tests is not mistaken for a leftover.
+    """
+    marker = os.environ["BOOK_TEST_RUN"]
     found = []
     for proc in psutil.process_iter(["pid", "cmdline", "status"]):
         cmd = " ".join(proc.info["cmdline"] or [])
-        if proc.info["status"] != psutil.STATUS_ZOMBIE and any(
+        if proc.info["status"] == psutil.STATUS_ZOMBIE or not any(
                 key in cmd for key in ("ipyparallel.engine", "ipyparallel.controller", "helpers.janitor",
                                        "torch.distributed.run")):
-            found.append(f"{proc.info['pid']} {cmd}")
+            continue
+        try:
+            if proc.environ().get("BOOK_TEST_RUN") == marker:
+                found.append(f"{proc.info['pid']} {cmd}")
+        except psutil.Error:
+            pass
     return found
 
 
