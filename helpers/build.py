@@ -21,6 +21,7 @@ NOISE = re.compile(r"Traceback \(most recent call last\)|^nbclient\.exceptions\.
 EXECUTING = re.compile(r"^(\S+\.(?:md|ipynb)): Executing notebook using")
 FAILED = re.compile(r"^(\S+\.(?:md|ipynb)): WARNING: Executing notebook failed")
 SAVED = re.compile(r"^(\S+\.(?:md|ipynb)): WARNING: Notebook exception traceback saved")
+EXECUTED = re.compile(r"^(\S+\.(?:md|ipynb)): Executed notebook in ([0-9.]+) seconds")
 RANK_HEADER = re.compile(r"^\[(\d+):(?:execute|apply)\]:?\s*$")
 ERROR_LINE = re.compile(r"^(?:\[\d+:\w+\]\s*)?[A-Za-z_.]*(?:Error|Failed|Exception|Timeout\w*)\b:?.*")
 
@@ -72,6 +73,9 @@ def main(argv: list[str]) -> int:
             print(line)
     else:
         print(f"book built in {elapsed:.0f} s")
+    for line in lines:  # each notebook's execution time, as myst-nb logged it
+        if timed := EXECUTED.match(ANSI.sub("", line)):
+            print(f"  {float(timed.group(2)):6.1f} s  {os.path.relpath(timed.group(1))}")
     return status
 
 
