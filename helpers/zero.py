@@ -72,8 +72,8 @@ class MemoryLog:
     def __init__(self):
         self.events: list[tuple[float, str, dict]] = []
 
-    def snapshot(self, label: str, params, shards, optimizer) -> None:
-        held = {"parameters": sum(tensor_bytes(p.data) for p in params),
+    def snapshot(self, label: str, params, shards, optimizer, in_flight_bytes: int = 0) -> None:
+        held = {"parameters": sum(tensor_bytes(p.data) for p in params) + in_flight_bytes,
                 "gradients": sum(tensor_bytes(p.grad) for p in params) + sum(tensor_bytes(s.grad) for s in shards),
                 "optimizer states": sum(tensor_bytes(s) for s in shards) + optimizer_bytes(optimizer)}
         self.events.append((time.perf_counter(), label, held))
@@ -134,12 +134,15 @@ class Zero3:
 
     ``reshard_after_forward=False`` keeps each block's gathered parameters from its forward to its backward
     (FSDP's switch between ZeRO-3 and ZeRO-2 behaviour for parameters): one all-gather fewer per block, at the
-    cost of holding every block's full parameters at the peak.
+    cost of holding every block's full parameters at the peak. ``prefetch=True`` issues the all-gather of the
+    next block (the previous one, in backward) asynchronously as soon as a block is gathered, so that it can
+    travel while the block computes; it costs one more block's parameters at the peak.
     """
 
     def __init__(self, model: torch.nn.Module, units: list[torch.nn.Module], group=None,
-                 reshard_after_forward: bool = True, **adamw):
-        self.group, self.reshard_after_forward = group, reshard_after_forward
+                 reshard_after_forward: bool = True, prefetch: bool = False, **adamw):
+        self.group, self.reshard_after_forward, self.prefetch = group, reshard_after_forward, prefetch
+        self.in_flight: dict[int, list] = {}  # unit: [(parameter, buffer, work)] of an all-gather under way
         self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
         self.memory = MemoryLog()
         self.params = list(model.parameters())
@@ -155,24 +158,44 @@ class Zero3:
         self.waiting = [0] * len(self.units)
         for i in range(len(self.units)):
             self._free(i)
-        model.register_forward_pre_hook(lambda *_: self._gather(0))
+        last = len(units)
+        model.register_forward_pre_hook(lambda *_: self._gather(0, then=1))
         for i, unit in enumerate(units, start=1):
-            unit.register_forward_pre_hook(lambda *_, i=i: self._gather(i))
+            unit.register_forward_pre_hook(lambda *_, i=i: self._gather(i, then=i + 1 if i < last else None))
             unit.register_forward_hook(lambda *_, i=i: self._free(i) if self.reshard_after_forward else None)
-            unit.register_full_backward_pre_hook(lambda *_, i=i: self._gather(i))
+            unit.register_full_backward_pre_hook(lambda *_, i=i: self._gather(i, then=i - 1 if i > 1 else None))
         for p in self.params:
             p.register_post_accumulate_grad_hook(self._reduce_now)
 
     def _snapshot(self, label: str) -> None:
-        self.memory.snapshot(label, self.params, list(self.shards.values()), self.optimizer)
+        self.memory.snapshot(label, self.params, list(self.shards.values()), self.optimizer,
+                             sum(tensor_bytes(out) for pending in self.in_flight.values() for _, out, _ in pending))
 
-    def _gather(self, i: int) -> None:
-        if all(p.data.numel() for p in self.units[i]):
+    def _gathered(self, i: int) -> bool:
+        return all(p.data.numel() for p in self.units[i])
+
+    def _gather(self, i: int, then: int | None = None) -> None:
+        """Make unit ``i``'s full parameters available; with prefetching, start gathering unit ``then``."""
+        if i in self.in_flight:  # prefetched: wait for it
+            for p, out, work in self.in_flight.pop(i):
+                work.wait()
+                p.data = out[:self.rows[p]].view(self.shapes[p])
+        elif not self._gathered(i):
+            for p in self.units[i]:
+                p.data = all_gather_rows(self.shards[p].detach(), self.rows[p], self.group).view(self.shapes[p])
+        else:
             return  # still gathered
-        for p in self.units[i]:
-            p.data = all_gather_rows(self.shards[p].detach(), self.rows[p], self.group).view(self.shapes[p])
         self.waiting[i] = len(self.units[i])
         self._snapshot(f"{self.unit_names[i]} gathered")
+        if self.prefetch and then is not None and not self._gathered(then) and then not in self.in_flight:
+            pending = []
+            for p in self.units[then]:
+                shard = self.shards[p].detach()
+                out = shard.new_empty((shard.shape[0] * self.world_size, *shard.shape[1:]))
+                LEDGER.record("all_gather", out, self.group)
+                pending.append((p, out, dist.all_gather_single(out, shard, group=self.group, async_op=True)))
+            self.in_flight[then] = pending
+            self._snapshot(f"{self.unit_names[then]} prefetch issued")
 
     def _free(self, i: int) -> None:
         for p in self.units[i]:
