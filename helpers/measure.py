@@ -19,13 +19,23 @@ def tensor_bytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's shard on this rank (what it really holds); any other tensor itself."""
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
 def saved_tensors(fn, module: torch.nn.Module | None = None) -> dict[int, tuple[int, tuple, torch.dtype]]:
-    """Run ``fn()``; every distinct storage autograd saved: ``{storage pointer: (bytes, shape, dtype)}``."""
-    params = {p.untyped_storage().data_ptr() for p in module.parameters()} if module is not None else set()
+    """Run ``fn()``; every distinct storage autograd saved: ``{storage pointer: (bytes, shape, dtype)}``.
+
+    A DTensor counts as the shard this rank holds.
+    """
+    params = {_local(p).untyped_storage().data_ptr() for p in module.parameters()} if module is not None else set()
     saved = {}
 
     def pack(t):
-        storage = t.untyped_storage()
+        storage = _local(t).untyped_storage()
         if storage.data_ptr() not in params:
             saved[storage.data_ptr()] = (storage.nbytes(), tuple(t.shape), t.dtype)
         return t
