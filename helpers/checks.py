@@ -202,6 +202,15 @@ def worst(prefix: str) -> tuple[float, float, int]:
     return max(r.max_abs for r in rows), max(r.max_rel for r in rows), len(rows)
 
 
+def check_every_rank(ranks, label: str, name: str, want, *, rtol: float, atol: float = 0.0) -> None:
+    """Pull ``name`` from every rank, check each rank's value against ``want``, and print one summary line."""
+    for r, got in enumerate(ranks.pull(name)):
+        check_close(f"{label}, rank {r}", got, want, rtol=rtol, atol=atol, quiet=True)
+    worst_abs, worst_rel, n = worst(label)
+    print(f"ok  {label}: {n} comparisons over {ranks.world_size} ranks, worst max abs error {worst_abs:.1e}, "
+          f"worst max rel error {worst_rel:.1e} (rtol={rtol:.0e}, atol={atol:.0e})")
+
+
 def clear() -> None:
     """Forget the recorded results (at the start of a chapter, and on each rank when ranks start)."""
     RESULTS.clear()

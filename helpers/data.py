@@ -6,7 +6,7 @@ later chapters show a loss that falls, and small enough to tokenize in milliseco
 
 ``batch(tokens, step, batch_size, seq_len, seed)`` returns the *global* batch of a step: inputs and next-token
 targets of shape (batch_size, seq_len), the same on every rank and in the kernel. A data-parallel rank takes its
-own rows of it; the chapters show that slicing themselves.
+own rows of it with :func:`rank_rows`.
 """
 
 from __future__ import annotations
@@ -45,3 +45,11 @@ def batch(tokens: torch.Tensor, step: int, batch_size: int, seq_len: int, seed: 
     starts = torch.randint(0, tokens.numel() - seq_len - 1, (batch_size,), generator=gen)
     windows = torch.stack([tokens[s:s + seq_len + 1] for s in starts.tolist()])
     return windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
+
+
+def rank_rows(t: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
+    """Rank ``rank``'s equal share of the rows of a global-batch tensor (rows ``[rank*n, (rank+1)*n)``)."""
+    if t.shape[0] % world_size:
+        raise ValueError(f"a batch of {t.shape[0]} rows does not split evenly over {world_size} ranks")
+    rows = t.shape[0] // world_size
+    return t[rank * rows:(rank + 1) * rows]

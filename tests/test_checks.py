@@ -144,3 +144,14 @@ def test_confirm_failure_requires_the_failure_where_it_was_planted():
     assert all(r.passed for r in checks.RESULTS)
     with pytest.raises(CheckFailed, match="it failed on no rank"):
         confirm_failure("never failed", ["rank 2"])
+
+
+def test_check_every_rank_names_the_rank_that_is_wrong():
+    class FakeRanks:  # what check_every_rank needs of helpers.ranks.Ranks
+        world_size = 3
+
+        def pull(self, name):
+            return [{"w": torch.ones(2)}, {"w": torch.ones(2)}, {"w": torch.tensor([1.0, 2.0])}]
+
+    with pytest.raises(CheckFailed, match=r"'grads, rank 2\[w\]' failed"):
+        checks.check_every_rank(FakeRanks(), "grads", "g", {"w": torch.ones(2)}, rtol=1e-6)

@@ -79,6 +79,9 @@ def test_data_is_deterministic_and_in_vocabulary():
     assert torch.equal(x, x2) and torch.equal(y, y2)
     assert torch.equal(x[:, 1:], y[:, :-1])
     assert not torch.equal(x, data.batch(tokens, step=6, batch_size=4, seq_len=16, seed=1)[0])
+    assert torch.equal(torch.cat([data.rank_rows(x, r, 2) for r in range(2)]), x)
+    with pytest.raises(ValueError, match="does not split evenly over 3 ranks"):
+        data.rank_rows(x, 0, 3)
 
 
 def test_a_few_steps_reduce_the_loss_fast():
