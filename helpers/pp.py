@@ -1,0 +1,268 @@
+"""Pipeline parallelism from scratch (chapter 06): the book's GPT cut into chunks, and one executor for any schedule.
+
+- :class:`PipelineChunk` is a contiguous run of the GPT's layers (the first chunk also embeds the tokens, the last
+  also normalises, projects to the vocabulary and returns the loss); :func:`split_model` cuts the reference into
+  ``n_chunks`` of them, with the layers of :func:`helpers.budget.stage_layers`.
+- :func:`run_schedule` runs one rank's list of actions from a :class:`helpers.pp_schedules.Schedule`. Activations
+  travel forward and their gradients backward by point-to-point messages, each tagged with its kind, chunk and
+  micro-batch, so a message can only be taken for the one it is; sends are asynchronous and receives wait, so the
+  order the schedule gives is the order the rank works in. Every message is written into
+  :data:`helpers.ledger.LEDGER`; every action is written into the rank's list of :class:`Event` s.
+- :func:`torch_pipeline` runs the same chunks under ``torch.distributed.pipelining``'s schedules.
+
+The loss of a step is the mean over the ``m`` micro-batches of each one's mean loss, so each micro-batch's
+backward starts from ``loss / m``: the gradients are then those of the whole batch, as one process computes them.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from datetime import timedelta
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .budget import stage_layers
+from .dist import collective_timeout
+from .ledger import LEDGER, Message
+from .model import GPT, GPTConfig, cross_entropy
+from .pp_schedules import Action, Schedule, validate
+
+
+def check_layout(cfg: GPTConfig, n_chunks: int) -> None:
+    """Raise a ValueError naming the broken constraint if ``cfg`` cannot be cut into ``n_chunks`` chunks."""
+    if n_chunks < 1:
+        raise ValueError(f"the pipeline needs at least one chunk, got n_chunks={n_chunks}")
+    if cfg.n_layers < n_chunks:
+        raise ValueError(f"n_chunks={n_chunks} (pp·v) must not exceed n_layers={cfg.n_layers}: every chunk needs a "
+                         f"layer")
+    if cfg.tie_embeddings and n_chunks > 1:
+        raise ValueError("tie_embeddings=True puts one weight on the first and the last chunk: build the pipeline "
+                         "model with tie_embeddings=False (or all-reduce that weight's gradient between the two "
+                         "stages, as Megatron-LM does)")
+
+
+class PipelineChunk(nn.Module):
+    """Layers ``layers`` of the book's GPT, copied from ``reference``; the first chunk embeds, the last one ends
+    with the final norm and the LM head. Its forward maps token ids (first chunk) or activations to activations
+    (or, for the last chunk, logits)."""
+
+    def __init__(self, reference: GPT, index: int, n_chunks: int):
+        super().__init__()
+        check_layout(reference.cfg, n_chunks)
+        self.index, self.n_chunks = index, n_chunks
+        self.layers = stage_layers(reference.cfg.n_layers, n_chunks)[index]
+        self.first, self.last = index == 0, index == n_chunks - 1
+        if self.first:
+            self.tok_emb, self.pos_emb = copy.deepcopy(reference.tok_emb), copy.deepcopy(reference.pos_emb)
+        self.blocks = nn.ModuleList(copy.deepcopy(reference.blocks[i]) for i in self.layers)
+        if self.last:
+            self.ln_f, self.lm_head = copy.deepcopy(reference.ln_f), copy.deepcopy(reference.lm_head)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.first:
+            x = self.tok_emb(x) + self.pos_emb(torch.arange(x.shape[1], device=x.device))
+        for block in self.blocks:
+            x = block(x)
+        return self.lm_head(self.ln_f(x)) if self.last else x
+
+    def reference_names(self) -> dict[str, nn.Parameter]:
+        """This chunk's parameters under the reference model's names (``blocks.5.…`` rather than ``blocks.1.…``)."""
+        out = {}
+        for name, p in self.named_parameters():
+            if name.startswith("blocks."):
+                local, rest = name[len("blocks."):].split(".", 1)
+                name = f"blocks.{self.layers[int(local)]}.{rest}"
+            out[name] = p
+        return out
+
+
+def split_model(reference: GPT, n_chunks: int) -> list[PipelineChunk]:
+    """The reference cut into ``n_chunks`` chunks along its depth."""
+    return [PipelineChunk(reference, c, n_chunks) for c in range(n_chunks)]
+
+
+def chunk_grads(chunks) -> dict[str, torch.Tensor]:
+    """The gradients of some chunks, under the reference's names."""
+    return {n: p.grad.detach().clone() for c in chunks for n, p in c.reference_names().items()}
+
+
+def chunk_params(chunks) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for c in chunks for n, p in c.reference_names().items()}
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The executor
+# ---------------------------------------------------------------------------------------------------------
+
+
+class Event(NamedTuple):
+    """One action as a rank ran it: when it began waiting for its input, when it started and ended computing
+    (``time.perf_counter``, the machine's monotonic clock, the same in every process), and how many
+    (chunk, micro-batch) pairs had activations kept afterwards."""
+
+    kind: str
+    chunk: int
+    micro_batch: int
+    waited: float
+    start: float
+    end: float
+    alive: int
+
+
+def _tag(kind: str, chunk: int, micro_batch: int, m: int) -> int:
+    """One tag per message: the activation leaving ``chunk`` (kind "F") or the gradient of its input ("grad")."""
+    return 2 * (chunk * m + micro_batch) + (kind == "grad")
+
+
+class _Mailbox:
+    """Point-to-point messages of one rank: asynchronous tagged sends, waited receives, each booked in the ledger."""
+
+    def __init__(self, s: Schedule, rank: int, group, timeout_s: float):
+        self.s, self.rank, self.group, self.timeout_s = s, rank, group, timeout_s
+        self.pending: list = []
+        self.local: dict = {}  # messages between two chunks of the same rank need no network
+
+    def _peer(self, rank: int) -> int:
+        return rank if self.group is None else dist.get_global_rank(self.group, rank)
+
+    def send(self, tensor, kind: str, chunk: int, micro_batch: int, dst: int, step: int) -> None:
+        tensor = tensor.detach().contiguous()
+        if dst == self.rank:
+            self.local[(kind, chunk, micro_batch)] = tensor
+            return
+        LEDGER.messages.append(Message("pipeline", "activations" if kind == "F" else "gradients", step, "send", dst,
+                                       tensor.numel() * tensor.element_size()))
+        self.pending.append(dist.isend(tensor, self._peer(dst), group=self.group,
+                                       tag=_tag(kind, chunk, micro_batch, self.s.m)))
+
+    def recv(self, like, kind: str, chunk: int, micro_batch: int, src: int, step: int, action: Action):
+        if src == self.rank:
+            return self.local.pop((kind, chunk, micro_batch))
+        buf = torch.empty_like(like)
+        LEDGER.messages.append(Message("pipeline", "activations" if kind == "F" else "gradients", step, "recv", src,
+                                       buf.numel() * buf.element_size()))
+        work = dist.irecv(buf, self._peer(src), group=self.group, tag=_tag(kind, chunk, micro_batch, self.s.m))
+        try:
+            work.wait(timeout=timedelta(seconds=self.timeout_s))
+        except RuntimeError as err:
+            raise RuntimeError(f"rank {self.rank}, action {step} ({action}): nothing arrived from rank {src} within "
+                               f"{self.timeout_s:.0f} s ({err})") from None
+        return buf
+
+    def flush(self) -> None:
+        for work in self.pending:
+            work.wait(timeout=timedelta(seconds=self.timeout_s))
+        self.pending.clear()
+
+
+def run_schedule(s: Schedule, chunks: dict[int, PipelineChunk], tokens: torch.Tensor, targets: torch.Tensor,
+                 rank: int, *, group=None, timeout_s: float | None = None):
+    """Run rank ``rank``'s actions of ``s`` on its ``chunks`` (``{chunk index: PipelineChunk}``) for one global
+    batch, split into ``s.m`` micro-batches. Gradients accumulate into the chunks' parameters.
+
+    Returns ``(losses, events)``: each micro-batch's loss on the rank that runs the last chunk (else empty),
+    and one :class:`Event` per action. The schedule is validated first, so a bad one raises a
+    :class:`helpers.pp_schedules.ScheduleError` before any message is sent.
+    """
+    validate(s)
+    if sorted(chunks) != s.chunks_of(rank):
+        raise ValueError(f"rank {rank} runs chunks {s.chunks_of(rank)} in {s.name}, but was given {sorted(chunks)}")
+    if tokens.shape[0] % s.m:
+        raise ValueError(f"m={s.m} micro-batches must divide the batch of {tokens.shape[0]} sequences")
+    xs, ys = tokens.chunk(s.m), targets.chunk(s.m)
+    some_chunk = next(iter(chunks.values()))
+    d_model = some_chunk.blocks[0].ln1.normalized_shape[0]
+    dtype = next(some_chunk.parameters()).dtype
+    like = torch.empty(*xs[0].shape, d_model, dtype=dtype)  # the activations between chunks
+    mail = _Mailbox(s, rank, group, timeout_s or collective_timeout())
+    kept, losses, events = {}, {}, []
+    last = s.n_chunks - 1
+    for step, a in enumerate(s.actions[rank]):
+        c, i = a.chunk, a.micro_batch
+        waited = time.perf_counter()
+        if a.kind == "F":
+            x = xs[i] if c == 0 else mail.recv(like, "F", c - 1, i, s.placement[c - 1], step, a).requires_grad_()
+            start = time.perf_counter()
+            out = chunks[c](x)
+            if c == last:
+                out = cross_entropy(out, ys[i]) / s.m  # this micro-batch's share of the batch's mean loss
+                losses[str(i)] = out.detach() * s.m
+            end = time.perf_counter()  # before the send: the next rank cannot start earlier than this
+            if c < last:
+                mail.send(out, "F", c, i, s.placement[c + 1], step)
+            kept[(c, i)] = (x, out, None)
+        elif a.kind in ("B", "I"):
+            x, out, _ = kept[(c, i)]
+            grad = None if c == last else mail.recv(like, "grad", c + 1, i, s.placement[c + 1], step, a)
+            start = time.perf_counter()
+            if a.kind == "B":
+                torch.autograd.backward(out, grad)
+                del kept[(c, i)]
+                input_grad = x.grad
+            else:  # only the input's gradient now; the graph is kept for W
+                input_grad = torch.autograd.grad(out, x, grad, retain_graph=True)[0] if c > 0 else None
+                kept[(c, i)] = (x, out, grad)
+            end = time.perf_counter()
+            if c > 0:
+                mail.send(input_grad, "grad", c, i, s.placement[c - 1], step)
+        else:  # W: the weights' gradients, from the graph and output gradient kept by I
+            x, out, grad = kept.pop((c, i))
+            start = time.perf_counter()
+            torch.autograd.backward(out, grad, inputs=list(chunks[c].parameters()))
+            end = time.perf_counter()
+        events.append(Event(a.kind, c, i, waited, start, end, len(kept)))
+    mail.flush()
+    return losses, events
+
+
+def expected_p2p_bytes(s: Schedule, rank: int, activation_bytes: int) -> tuple[int, int]:
+    """Bytes ``rank`` sends and receives in one step of ``s``: per micro-batch, one activation from each of its
+    chunks to the next chunk's rank and one gradient from each chunk to the previous one's, when that is another
+    rank."""
+    sent = received = 0
+    for c in s.chunks_of(rank):
+        for neighbour in (c - 1, c + 1):
+            if 0 <= neighbour < s.n_chunks and s.placement[neighbour] != rank:
+                sent += s.m * activation_bytes
+                received += s.m * activation_bytes
+    return sent, received
+
+
+# ---------------------------------------------------------------------------------------------------------
+# PyTorch's pipelining on the same chunks
+# ---------------------------------------------------------------------------------------------------------
+
+
+def torch_stage_indices(style: str, rank: int, p: int, v: int) -> list[int]:
+    """The chunks a rank holds: ``loop`` (chunk ``c`` on rank ``c mod p``) or ``v`` (ranks ``0…p-1`` then back)."""
+    if style == "v":
+        return [rank, 2 * p - 1 - rank]
+    return [rank + k * p for k in range(v)]
+
+
+def torch_pipeline(schedule_cls, reference: GPT, tokens, targets, rank: int, p: int, m: int, *, style="loop",
+                   v: int = 1, group=None, **schedule_kwargs):
+    """One step of ``torch.distributed.pipelining``'s ``schedule_cls`` on the same chunks as :func:`run_schedule`.
+
+    Its loss function returns each micro-batch's mean loss, and with ``scale_grads=True`` (the default) the
+    schedule divides the accumulated gradients by ``m``: the same gradients as the whole batch's mean loss.
+    Returns ``(losses, chunks)``.
+    """
+    from torch.distributed.pipelining import PipelineStage
+
+    n_chunks = v * p if style == "loop" else 2 * p
+    chunks = split_model(reference, n_chunks)
+    mine = torch_stage_indices(style, rank, p, v)
+    stages = [PipelineStage(chunks[c], c, n_chunks, torch.device("cpu"), group=group) for c in mine]
+    single = len(stages) == 1
+    schedule = schedule_cls(stages[0] if single else stages, n_microbatches=m, loss_fn=cross_entropy,
+                            **schedule_kwargs)
+    losses: list = []
+    args = (tokens,) if 0 in mine else ()
+    kwargs = {"target": targets, "losses": losses} if n_chunks - 1 in mine else {}
+    schedule.step(*args, **kwargs)
+    return [float(x.detach()) for x in losses], [chunks[c] for c in mine]

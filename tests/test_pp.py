@@ -1,0 +1,182 @@
+"""Pipeline parallelism (chapter 06): schedules, their validation and simulation, the model's chunks, and one small
+run of each schedule on two ranks.
+
+The schedule tests run in this process, in exact fractions: the simulator reproduces every bubble and peak-memory
+formula, and a broken schedule raises a ScheduleError naming the rank, the action and the micro-batch. The
+distributed test starts two ranks, runs each schedule on a small GPT, and compares the gradients with the single
+process here.
+"""
+
+from dataclasses import replace
+from fractions import Fraction
+
+import ipyparallel as ipp
+import pytest
+import torch
+
+from helpers import pp
+from helpers import pp_schedules as S
+from helpers.model import GPT, GPTConfig
+
+CFG = GPTConfig(vocab_size=16, seq_len=8, n_layers=4, d_model=32, n_heads=4, n_kv_heads=2, d_ff=64,
+                tie_embeddings=False)
+
+SIZES = [(2, 2), (2, 6), (3, 3), (3, 9), (4, 8), (4, 12), (8, 16), (8, 24)]
+
+
+def all_schedules(p, m):
+    out = [S.gpipe(p, m), S.one_f_one_b(p, m), S.zb_h1(p, m)]
+    if m % p == 0:
+        out += [S.interleaved_1f1b(p, m, 2), S.interleaved_1f1b(p, m, 3)]
+    return out
+
+
+@pytest.mark.parametrize("p, m", SIZES)
+def test_the_simulated_bubble_is_the_papers_formula_exactly(p, m):
+    for s in all_schedules(p, m):
+        v = len(s.chunks_of(0))
+        bubble = S.bubble_fraction(S.simulate(s))
+        assert set(bubble.values()) == {S.bubble_formula(s.name, p, m, v)}, s.name
+
+
+@pytest.mark.parametrize("p, m", SIZES)
+def test_peak_micro_batches_kept_follow_the_formula(p, m):
+    for s in all_schedules(p, m):
+        v = len(s.chunks_of(0))
+        assert S.peak_alive(s) == [S.peak_alive_formula(s.name, p, m, r, v) for r in range(p)], s.name
+
+
+def test_zb_h1_has_a_third_of_the_1f1b_bubble_when_f_i_w_are_equal():
+    one_f, zb = S.simulate(S.one_f_one_b(4, 8)), S.simulate(S.zb_h1(4, 8))
+    assert S.bubble_fraction(zb)[0] == S.bubble_fraction(one_f)[0] / 3
+    assert S.makespan(zb) == S.makespan(one_f) - Fraction(6)  # (p-1)(F+B+W) - (p-1)(F+B-W) = 2(p-1)W
+
+
+def test_the_simulator_adds_the_latency_of_each_message():
+    s = S.gpipe(2, 1)  # F on rank 0, F on rank 1, B on rank 1, B on rank 0: two messages on the critical path
+    assert S.makespan(S.simulate(s, comm=Fraction(1, 2))) == S.makespan(S.simulate(s)) + 1
+
+
+def _with_rank(s, rank, actions):
+    return S.Schedule(s.name, s.p, s.m, s.placement, s.actions[:rank] + (tuple(actions),) + s.actions[rank + 1:])
+
+
+def test_a_backward_before_its_forward_names_the_rank_action_and_micro_batch():
+    s = S.one_f_one_b(4, 8)
+    acts = list(s.actions[2])
+    acts[0], acts[2] = acts[2], acts[0]  # rank 2: B0 first
+    with pytest.raises(S.ScheduleError, match="wrong order on rank 2: action 0, the backward of micro-batch 0"):
+        S.validate(_with_rank(s, 2, acts))
+
+
+def test_a_deadlock_names_every_stuck_rank():
+    # rank 0 waits for micro-batch 0's gradient before sending micro-batch 1; rank 1 wants micro-batch 1 first
+    swapped = S.Schedule("x", 2, 2, (0, 1), ((S.Action("F", 0, 0), S.Action("B", 0, 0), S.Action("F", 0, 1),
+                                              S.Action("B", 0, 1)),
+                                             (S.Action("F", 1, 1), S.Action("B", 1, 1), S.Action("F", 1, 0),
+                                              S.Action("B", 1, 0))))
+    with pytest.raises(S.ScheduleError, match=r"deadlock: rank 0 at action 1 \(backward of micro-batch 0 on chunk 0\)"
+                                              r".*rank 1 at action 0 \(forward of micro-batch 1 on chunk 1\)"):
+        S.validate(swapped)
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda acts: acts[1:], "rank 1 never runs the forward of micro-batch 0 on chunk 1"),
+    (lambda acts: acts + acts[:1], "appears twice"),
+    (lambda acts: [S.Action("F", 0, 9)] + acts, "chunk 0 does not run on rank 1"),
+    (lambda acts: acts + [S.Action("F", 1, 9)], "there are only 4 micro-batches"),
+    (lambda acts: [S.Action("X", 1, 0)] + acts, "unknown kind 'X'"),
+])
+def test_a_malformed_schedule_is_rejected_before_it_runs(change, message):
+    s = S.one_f_one_b(2, 4)
+    with pytest.raises(S.ScheduleError, match=message):
+        S.validate(_with_rank(s, 1, change(list(s.actions[1]))))
+
+
+def test_interleaving_needs_m_to_be_a_multiple_of_p():
+    with pytest.raises(S.ScheduleError, match="m=6 to be a multiple of p=4"):
+        S.interleaved_1f1b(4, 6, 2)
+
+
+@pytest.mark.parametrize("cfg, n_chunks, message", [
+    (CFG, 5, "n_chunks=5 .* must not exceed n_layers=4"),
+    (replace(CFG, tie_embeddings=True), 2, "tie_embeddings=True"),
+    (CFG, 0, "at least one chunk"),
+])
+def test_a_bad_layout_names_the_broken_constraint(cfg, n_chunks, message):
+    with pytest.raises(ValueError, match=message):
+        pp.check_layout(cfg, n_chunks)
+
+
+@pytest.mark.parametrize("n_chunks", [1, 2, 3, 4])
+def test_the_chunks_in_a_row_are_the_reference_bit_for_bit(n_chunks):
+    reference = GPT(CFG, seed=0)
+    chunks = pp.split_model(reference, n_chunks)
+    names = sorted(n for c in chunks for n in c.reference_names())
+    assert names == sorted(n for n, _ in reference.named_parameters())
+    full = dict(reference.named_parameters())
+    for c in chunks:
+        for n, p in c.reference_names().items():
+            assert torch.equal(p, full[n]) and p is not full[n], n  # a copy, equal
+    x = torch.randint(0, CFG.vocab_size, (2, CFG.seq_len), generator=torch.Generator().manual_seed(0))
+    h = x
+    for c in chunks:
+        h = c(h)
+    assert torch.equal(h, reference(x))
+
+
+def test_the_formula_for_bytes_counts_the_boundaries_between_ranks():
+    assert pp.expected_p2p_bytes(S.one_f_one_b(4, 8), 0, 10) == (80, 80)
+    assert pp.expected_p2p_bytes(S.one_f_one_b(4, 8), 1, 10) == (160, 160)
+    assert pp.expected_p2p_bytes(S.interleaved_1f1b(4, 8, 2), 0, 10) == (240, 240)
+    assert pp.expected_p2p_bytes(S.interleaved_1f1b(4, 8, 2), 2, 10) == (320, 320)
+
+
+@ipp.interactive  # sent by value: the engines cannot import this test module
+def _pipeline_step(cfg, schedule):
+    import torch
+    import torch.distributed as dist
+
+    from helpers import pp
+    from helpers.ledger import LEDGER
+    from helpers.model import GPT
+
+    rank = dist.get_rank()
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randint(0, cfg.vocab_size, (4, cfg.seq_len), generator=gen)
+    y = torch.randint(0, cfg.vocab_size, (4, cfg.seq_len), generator=gen)
+    base = GPT(cfg, seed=0)
+    chunks = {c: pp.PipelineChunk(base, c, schedule.n_chunks) for c in schedule.chunks_of(rank)}
+    LEDGER.clear()
+    losses, events = pp.run_schedule(schedule, chunks, x, y, rank)
+    return ({k: float(v) for k, v in losses.items()}, pp.chunk_grads(chunks.values()),
+            max(e.alive for e in events), LEDGER.totals("pipeline"))
+
+
+def test_every_schedule_on_two_ranks_matches_the_single_process(ranks):
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randint(0, CFG.vocab_size, (4, CFG.seq_len), generator=gen)
+    y = torch.randint(0, CFG.vocab_size, (4, CFG.seq_len), generator=gen)
+    reference = GPT(CFG, seed=0)
+    loss = reference(x, y)[1]
+    loss.backward()
+    activation_bytes = 1 * CFG.seq_len * CFG.d_model * 4
+    for s in [S.gpipe(2, 4), S.one_f_one_b(2, 4), S.interleaved_1f1b(2, 4, 2), S.zb_h1(2, 4)]:
+        results = ranks.apply(_pipeline_step, CFG, s)
+        losses = results[s.placement[-1]][0]
+        assert sum(losses.values()) / 4 == pytest.approx(loss.item(), rel=1e-6), s.name
+        grads = {n: g for _, per_rank, _, _ in results for n, g in per_rank.items()}
+        assert sorted(grads) == sorted(n for n, _ in reference.named_parameters())
+        for name, p in reference.named_parameters():
+            assert (grads[name] - p.grad).abs().max().item() <= 1e-6 * p.grad.abs().max().item(), (s.name, name)
+        v = len(s.chunks_of(0))
+        assert [r[2] for r in results] == [S.peak_alive_formula(s.name, 2, 4, r, v) for r in range(2)], s.name
+        assert [r[3] for r in results] == [pp.expected_p2p_bytes(s, r, activation_bytes) for r in range(2)]
+
+
+def test_a_deadlocking_schedule_fails_on_the_ranks_without_a_hang(ranks):
+    good = S.one_f_one_b(2, 4)
+    swap = [tuple(S.Action(a.kind, r, a.micro_batch) for a in good.actions[1 - r]) for r in range(2)]
+    bad = S.Schedule("1F1B", 2, 4, good.placement, tuple(swap))  # warm-up counts reversed
+    with pytest.raises(ipp.error.CompositeError, match="deadlock"):
+        ranks.apply(_pipeline_step, CFG, bad)
