@@ -1,0 +1,143 @@
+"""Context parallelism (chapter 07): layouts, the online-softmax merge, the byte formulas, and one run on two ranks.
+
+The layout, merge and formula tests run in this process. The distributed test starts two ranks, runs ring and
+Ulysses attention (forward and backward, causal and not, both layouts) on each, and compares what they return with
+PyTorch's single-process attention here.
+"""
+
+import ipyparallel as ipp
+import pytest
+import torch
+import torch.nn.functional as F
+
+from helpers import budget as B
+from helpers import cp
+from helpers.model import GPTConfig
+
+
+@pytest.mark.parametrize("seq_len, degree, kind, message", [
+    (32, 3, "contiguous", "cp=3 must divide seq_len=32"),
+    (36, 4, "zigzag", r"2\*cp=8 \(the zig-zag chunks\) must divide seq_len=36"),
+    (32, 0, "contiguous", "cp must be at least 1"),
+    (32, 2, "striped", "the layout must be"),
+])
+def test_a_bad_layout_names_the_broken_constraint(seq_len, degree, kind, message):
+    with pytest.raises(ValueError, match=message):
+        cp.CPLayout(seq_len, degree, kind)
+
+
+@pytest.mark.parametrize("n_heads, n_kv_heads, degree, message", [
+    (8, 4, 3, "cp=3 must divide n_heads=8"), (8, 4, 8, "cp=8 must divide n_kv_heads=4")])
+def test_ulysses_refuses_a_degree_that_does_not_divide_the_heads(n_heads, n_kv_heads, degree, message):
+    with pytest.raises(ValueError, match=message):
+        cp.check_heads(n_heads, n_kv_heads, degree)
+    cp.check_heads(n_heads, n_kv_heads, 4)
+
+
+@pytest.mark.parametrize("kind", ["contiguous", "zigzag"])
+@pytest.mark.parametrize("degree", [1, 2, 4])
+def test_the_ranks_positions_cover_the_sequence_once(kind, degree):
+    layout = cp.CPLayout(16, degree, kind)
+    held = torch.cat([layout.positions(r) for r in range(degree)])
+    assert torch.equal(held.sort().values, torch.arange(16))
+    pairs = [cp.causal_pairs(layout, r) for r in range(degree)]
+    assert sum(pairs) == 16 * 17 // 2
+    if kind == "zigzag":
+        assert len(set(pairs)) == 1
+
+
+def _reference(q, k, v, causal, upstream):
+    q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
+    group_size = q.shape[1] // k.shape[1]
+    out = F.scaled_dot_product_attention(q, k.repeat_interleave(group_size, 1), v.repeat_interleave(group_size, 1),
+                                         is_causal=causal)
+    out.backward(upstream)
+    return out.detach(), q.grad, k.grad, v.grad
+
+
+def _inputs(seq_len=12):
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 4, seq_len, 8, generator=gen, dtype=torch.float64)
+    k, v = (torch.randn(2, 2, seq_len, 8, generator=gen, dtype=torch.float64) for _ in range(2))
+    return q, k, v, torch.randn(q.shape, generator=gen, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_blocks_merged_by_log_sum_exp_equal_attention_over_all_keys(causal):
+    q, k, v, upstream = _inputs()
+    want_out, want_dq, want_dk, want_dv = _reference(q, k, v, causal, upstream)
+    pos = torch.arange(12)
+    out = torch.zeros_like(q)
+    lse = torch.full(q.shape[:-1], float("-inf"), dtype=q.dtype)
+    ke, ve = k.repeat_interleave(2, 1), v.repeat_interleave(2, 1)
+    blocks = [pos[8:], pos[:3], pos[3:8]]  # any order, the future first
+    for keys in blocks:
+        out, lse = cp.merge(out, lse, *cp.block_attention(q, ke[:, :, keys], ve[:, :, keys], pos, keys, causal))
+    torch.testing.assert_close(out, want_out, rtol=1e-12, atol=1e-13)
+    delta = (upstream * out).sum(-1)
+    dq = torch.zeros_like(q)
+    for keys in blocks:
+        dq_block, dk, dv = cp.block_attention_backward(upstream, delta, q, ke[:, :, keys], ve[:, :, keys], lse, pos,
+                                                       keys, causal)
+        dq += dq_block
+        torch.testing.assert_close(cp._fold(dk, 2), want_dk[:, :, keys], rtol=1e-12, atol=1e-13)
+        torch.testing.assert_close(cp._fold(dv, 2), want_dv[:, :, keys], rtol=1e-12, atol=1e-13)
+    torch.testing.assert_close(dq, want_dq, rtol=1e-12, atol=1e-13)
+
+
+def test_a_merge_without_the_rescale_is_wrong():
+    q, k, v, _ = _inputs()
+    pos = torch.arange(12)
+    halves = [cp.block_attention(q, k.repeat_interleave(2, 1)[:, :, p], v.repeat_interleave(2, 1)[:, :, p], pos, p,
+                                 False) for p in (pos[:6], pos[6:])]
+    want = _reference(q, k, v, False, torch.zeros_like(q))[0]
+    assert not torch.allclose(halves[0][0] + halves[1][0], want, rtol=1e-3)
+    torch.testing.assert_close(cp.merge(*halves[0], *halves[1])[0], want, rtol=1e-12, atol=1e-13)
+
+
+@pytest.mark.parametrize("degree", [2, 4, 8])
+def test_the_ring_formula_is_chapter_01s(degree):
+    cfg = GPTConfig(vocab_size=16, seq_len=32, n_layers=2, d_model=64, n_heads=8, n_kv_heads=4, d_ff=256)
+    shape = B.ModelShape.from_gpt(cfg)
+    step = B.budget(shape, B.Batch(32, 8, 8), B.Layout(cp=degree), precision=B.FP32, act=B.ActivationModel())
+    assert cp.ring_bytes(8, 32, 4, 8, degree) == step.sent["cp"] / cfg.n_layers
+
+
+def test_ulysses_sends_less_per_rank_as_the_degree_grows_and_the_ring_more():
+    ring = [cp.ring_bytes(1, 4096, 8, 128, d) for d in (2, 4, 8)]
+    ulysses = [cp.ulysses_bytes(1, 4096, 32, 8, 128, d) for d in (2, 4, 8)]
+    assert ring == sorted(ring) and ulysses == sorted(ulysses, reverse=True)
+
+
+@ipp.interactive  # sent by value: the engines cannot import this test module
+def _attention_on_this_rank(q, k, v, upstream, kind, causal):
+    import torch.distributed as dist
+
+    from helpers import cp
+    from helpers.ledger import LEDGER
+
+    rank = dist.get_rank()
+    layout = cp.CPLayout(q.shape[2], dist.get_world_size(), kind)
+    mine = layout.positions(rank)
+    results = {}
+    for name, attention, booked_as in (("ring", cp.ring_attention, "ring attention"),
+                                       ("ulysses", cp.ulysses_attention, "all_to_all")):
+        LEDGER.clear()
+        local = [t.index_select(2, mine).clone().requires_grad_() for t in (q, k, v)]
+        out = attention(*local, layout, causal)
+        out.backward(upstream.index_select(2, mine))
+        results[name] = ([out.detach()] + [t.grad for t in local], LEDGER.totals(booked_as)[0])
+    return mine, results
+
+
+@pytest.mark.parametrize("kind", ["contiguous", "zigzag"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_two_ranks_match_the_single_process(ranks, kind, causal):
+    q, k, v, upstream = _inputs()
+    want = _reference(q, k, v, causal, upstream)
+    for mine, results in ranks.apply(_attention_on_this_rank, q, k, v, upstream, kind, causal):
+        for name, (got, sent) in results.items():
+            for g, w in zip(got, want):
+                torch.testing.assert_close(g, w.index_select(2, mine), rtol=1e-12, atol=1e-13, msg=name)
+            formula = cp.ring_bytes(2, 12, 2, 8, 2, 8) if name == "ring" else cp.ulysses_bytes(2, 12, 4, 2, 8, 2, 8)
+            assert sent == formula, name
