@@ -125,6 +125,21 @@ class Ledger:
         self.messages.append(Message(collective, collective, 0, "send", -1, sent, counted=False))
         self.messages.append(Message(collective, collective, 0, "recv", -1, received, counted=False))
 
+    def record_all_to_all(self, label: str, tensor, input_split_sizes, output_split_sizes, group=None) -> None:
+        """Book an ``all_to_all_single`` with uneven splits under ``label``: the rows it sends to other ranks.
+
+        ``tensor`` is the input (rows along dim 0); split ``j`` of it goes to rank ``j`` and this rank's own split
+        stays, so its bytes are not counted (:func:`all_to_all_bytes`).
+        """
+        import torch.distributed as dist
+
+        rank = dist.get_rank(group)
+        row = tensor[0].numel() if tensor.shape[0] else tensor.numel()
+        sent, received = all_to_all_bytes(input_split_sizes, output_split_sizes, rank,
+                                          row_bytes=row * tensor.element_size())
+        self.messages.append(Message(label, label, 0, "send", -1, sent, counted=False))
+        self.messages.append(Message(label, label, 0, "recv", -1, received, counted=False))
+
     def totals(self, collective: str | None = None) -> tuple[int, int]:
         """Bytes sent and bytes received by this rank, in one collective or in all of them."""
         sent = sum(m.nbytes for m in self.messages
@@ -205,6 +220,21 @@ def expected_bytes(collective: str, numel: int, world_size: int, rank: int, *, e
     else:
         raise ValueError(f"no byte formula for collective {collective!r}")
     return elements[0] * element_size, elements[1] * element_size
+
+
+def all_to_all_bytes(input_split_sizes, output_split_sizes, rank: int, *, row_bytes: int) -> tuple[int, int]:
+    """Bytes ``rank`` sends and receives in an all-to-all with uneven splits (``all_to_all_single``).
+
+    ``input_split_sizes[j]`` rows go to rank ``j``, ``output_split_sizes[j]`` rows arrive from rank ``j``; the
+    rank's own split never leaves it. With even splits of a buffer of ``n`` rows this is
+    :func:`expected_bytes`'s ``pairwise_all_to_all``.
+    """
+    if rank >= len(input_split_sizes) or len(input_split_sizes) != len(output_split_sizes):
+        raise ValueError(f"an all-to-all needs one input and one output split per rank, got "
+                         f"{len(input_split_sizes)} and {len(output_split_sizes)} for rank {rank}")
+    sent = sum(input_split_sizes) - input_split_sizes[rank]
+    received = sum(output_split_sizes) - output_split_sizes[rank]
+    return int(sent) * row_bytes, int(received) * row_bytes
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -330,4 +360,4 @@ def time_collective(run, *, repeats: int = 5, warmup: int = 1, group=None) -> fl
 
 __all__ = ["LEDGER", "Ledger", "Message", "chunk_sizes", "expected_bytes", "tree_children", "COSTS",
            "BUS_FACTORS", "cost_terms", "AlphaBeta", "fit", "algorithm_bandwidth", "bus_bandwidth",
-           "time_collective", "ALIASES"]
+           "time_collective", "ALIASES", "all_to_all_bytes"]

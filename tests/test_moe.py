@@ -1,0 +1,127 @@
+"""Mixture of experts and expert parallelism (chapter 08): routing, losses, layouts, and one run on two ranks.
+
+The routing, loss and layout tests run in this process. The distributed test starts two ranks, runs an
+expert-parallel MoE GPT forward and backward on each (dispatch and combine by all-to-all), and compares the
+logits, the losses, the dropped tokens and every gradient with the single process here.
+"""
+
+from dataclasses import replace
+
+import ipyparallel as ipp
+import pytest
+import torch
+
+from helpers import moe
+from helpers.ledger import all_to_all_bytes
+
+CFG = moe.MoEConfig(vocab_size=16, seq_len=8, n_layers=2, d_model=32, n_heads=4, n_kv_heads=2, d_ff=32,
+                    n_experts=4, top_k=2, capacity_factor=1.0)
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"top_k": 5}, "top_k=5 must be in 1..n_experts=4"),
+    ({"top_k": 0}, "top_k=0 must be in 1..n_experts=4"),
+    ({"capacity_factor": 0.0}, "capacity_factor must be positive"),
+])
+def test_a_bad_config_names_the_broken_constraint(changes, message):
+    with pytest.raises(ValueError, match=message):
+        replace(CFG, **changes)
+
+
+def test_a_bad_layout_names_the_broken_constraint():
+    with pytest.raises(ValueError, match="ep=3 must divide n_experts=4"):
+        moe.check_layout(CFG, 3)
+    with pytest.raises(ValueError, match="ep=3 must divide n_experts=4"):
+        moe.from_reference(moe.MoEGPT(CFG), 0, 3)
+    moe.check_layout(CFG, 2)
+
+
+def test_the_load_balancing_loss_is_one_at_perfect_balance_and_E_at_collapse():
+    E, tokens = 8, 64
+    uniform = torch.full((tokens, E), 1 / E, dtype=torch.float64)
+    balanced = torch.arange(tokens * 2).view(tokens, 2) % E
+    assert moe.load_balancing_loss(uniform, balanced).item() == 1.0
+    collapsed = torch.zeros(tokens, E, dtype=torch.float64)
+    collapsed[:, 0] = 1.0
+    assert moe.load_balancing_loss(collapsed, torch.zeros(tokens, 1, dtype=torch.long)).item() == E
+
+
+def test_capacity_keeps_first_choices_before_second_choices():
+    # four tokens all choose expert 0 first and expert 1 second; capacity 2 per expert
+    expert = torch.tensor([[0, 1]] * 4)
+    kept = moe.within_capacity(expert, 2, 2)
+    assert kept.tolist() == [[True, True], [True, True], [False, False], [False, False]]
+    expert = torch.tensor([[0, 1], [1, 0], [1, 0]])
+    # expert 1's queue: token 1, token 2 (first choices), then token 0's second choice
+    assert moe.within_capacity(expert, 2, 2).tolist() == [[True, False], [True, True], [True, False]]
+    assert moe.expert_capacity(64, replace(CFG, capacity_factor=1.25)) == 40
+    assert moe.expert_capacity(64, replace(CFG, capacity_factor=None)) is None
+
+
+def test_the_bias_chooses_experts_but_never_changes_the_gates():
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]])
+    plain = moe.route(logits, 1)
+    biased = moe.route(logits, 2, bias=torch.tensor([0.0, 0.0, 1.0, 0.0]))
+    assert plain.expert.tolist() == [[0]]
+    assert biased.expert.tolist() == [[2, 0]]
+    probs = logits.softmax(-1)[0]
+    torch.testing.assert_close(biased.gate[0], torch.stack([probs[2], probs[0]]) / (probs[2] + probs[0]))
+
+
+def test_the_grouped_matmul_matches_the_loop_and_refuses_float64():
+    torch.manual_seed(0)
+    experts = moe.Experts(4, 8, 16)
+    for p in experts.parameters():
+        torch.nn.init.normal_(p)
+    rows, counts = torch.randn(10, 8), [3, 0, 5, 2]
+    torch.testing.assert_close(moe.experts_grouped(rows, counts, experts), moe.experts_loop(rows, counts, experts),
+                               rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match="not torch.float64"):
+        moe.experts_grouped(rows.double(), counts, experts.double())
+
+
+def test_uneven_all_to_all_bytes_leave_out_the_own_split():
+    assert all_to_all_bytes([3, 1, 4], [2, 7, 1], 1, row_bytes=8) == ((3 + 4) * 8, (2 + 1) * 8)
+    with pytest.raises(ValueError, match="one input and one output split per rank"):
+        all_to_all_bytes([1, 2], [1, 2, 3], 0, row_bytes=4)
+
+
+def test_groups_must_divide_the_tokens():
+    layer = moe.MoELayer(CFG, groups=3)
+    with pytest.raises(ValueError, match="groups=3 must divide the 16 tokens"):
+        layer(torch.zeros(2, 8, CFG.d_model))
+
+
+@ipp.interactive  # sent by value: the engines cannot import this test module
+def _expert_parallel_step(cfg, x, y):
+    from torch import distributed
+
+    from helpers import moe
+
+    ep, rank = distributed.get_world_size(), distributed.get_rank()
+    model = moe.from_reference(moe.MoEGPT(cfg, seed=0, groups=ep), rank, ep)
+    part = slice(rank * len(x) // ep, (rank + 1) * len(x) // ep)
+    logits, loss = model(x[part], y[part])
+    loss.backward()
+    moe.finish_gradients(model)
+    dropped = [layer.stats["dropped"] for layer in model.moe_layers()]
+    return logits.detach(), loss.item(), dropped, {n: p.grad for n, p in model.named_parameters()}
+
+
+def test_two_ranks_match_the_single_process(ranks):
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randint(0, CFG.vocab_size, (4, CFG.seq_len), generator=gen)
+    y = torch.randint(0, CFG.vocab_size, (4, CFG.seq_len), generator=gen)
+    reference = moe.MoEGPT(CFG, seed=0, groups=2)
+    logits, loss = reference(x, y)
+    loss.backward()
+    results = ranks.apply(_expert_parallel_step, CFG, x, y)
+    assert sum(r[1] for r in results) / 2 == pytest.approx(loss.item(), rel=1e-6)
+    torch.testing.assert_close(torch.cat([r[0] for r in results]), logits.detach(), rtol=0, atol=1e-6)
+    for i, layer in enumerate(reference.moe_layers()):
+        assert torch.cat([r[2][i] for r in results]).tolist() == layer.stats["dropped"].tolist()
+    assert sum(layer.stats["dropped"].sum().item() for layer in reference.moe_layers()) > 0  # capacity bites
+    grads = moe.unshard_experts([r[3] for r in results])
+    for name, p in reference.named_parameters():
+        scale = p.grad.abs().max().item()
+        assert (grads[name] - p.grad).abs().max().item() <= 1e-6 * scale, name
