@@ -13,7 +13,6 @@ import torch
 
 from helpers import tp
 from helpers.model import GPT, GPTConfig
-from helpers.ranks import start_ranks
 
 CFG = GPTConfig(vocab_size=16, seq_len=8, n_layers=2, d_model=32, n_heads=4, n_kv_heads=2, d_ff=64)
 
@@ -65,13 +64,6 @@ def test_each_rank_holds_its_slice_under_the_plans_names(cfg):
                            reference.blocks[1].mlp.down_proj.weight[:, rank * cols:(rank + 1) * cols])
         if cfg.tie_embeddings:
             assert model.lm_head.weight is model.tok_emb.weight
-
-
-@pytest.fixture(scope="module")
-def ranks():
-    r = start_ranks(2, timeout_s=20, activate=False)
-    yield r
-    r.stop()
 
 
 @ipp.interactive  # sent by value: the engines cannot import this test module
