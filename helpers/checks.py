@@ -202,6 +202,28 @@ def worst(prefix: str) -> tuple[float, float, int]:
     return max(r.max_abs for r in rows), max(r.max_rel for r in rows), len(rows)
 
 
+def summarize(prefix: str) -> None:
+    """Print one line for the many quiet checks whose names start with ``prefix``: how many, and the worst."""
+    worst_abs, worst_rel, n = worst(prefix)
+    print(f"ok  {prefix}: {n} comparisons, worst max abs error {worst_abs:.1e}, max rel error {worst_rel:.1e}")
+
+
+def check_reassembled(ranks, label: str, name: str, want: dict, *, unshard, replicated, rtol: float) -> None:
+    """Pull the dict of tensors ``name`` from every rank, put the shards together with ``unshard`` (a function
+    of the list of the ranks' dicts), and compare with ``want``; the tensors named in ``replicated`` must also
+    be equal on every rank, bit for bit. Prints one summary line."""
+    per_rank = ranks.pull(name)
+    check_close(label, unshard(per_rank), want, rtol=rtol, quiet=True)
+    replicated = list(replicated)
+    for r in range(1, len(per_rank)):
+        check_equal(f"{label}: replicated tensors equal to rank 0's, rank {r}",
+                    {n: per_rank[r][n] for n in replicated}, {n: per_rank[0][n] for n in replicated}, quiet=True)
+    worst_abs, worst_rel, _ = worst(label)
+    print(f"ok  {label}: {len(want)} tensors, worst max abs error {worst_abs:.1e}, max rel error "
+          f"{worst_rel:.1e} (rtol={rtol:.0e}); the {len(replicated)} replicated tensors agree bit for bit on "
+          f"every rank")
+
+
 def check_every_rank(ranks, label: str, name: str, want, *, rtol: float, atol: float = 0.0) -> None:
     """Pull ``name`` from every rank, check each rank's value against ``want``, and print one summary line."""
     for r, got in enumerate(ranks.pull(name)):

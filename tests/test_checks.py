@@ -155,3 +155,41 @@ def test_check_every_rank_names_the_rank_that_is_wrong():
 
     with pytest.raises(CheckFailed, match=r"'grads, rank 2\[w\]' failed"):
         checks.check_every_rank(FakeRanks(), "grads", "g", {"w": torch.ones(2)}, rtol=1e-6)
+
+
+class _TwoShards:  # what check_reassembled needs of helpers.ranks.Ranks: rank r holds row r of "w" and all of "b"
+    def __init__(self, b1):
+        self.b1 = b1
+
+    def pull(self, name):
+        return [{"w": torch.tensor([[1.0, 2.0]]), "b": torch.ones(2)},
+                {"w": torch.tensor([[3.0, 4.0]]), "b": self.b1}]
+
+
+def _rows(per_rank):
+    return {"w": torch.cat([p["w"] for p in per_rank]), "b": per_rank[0]["b"]}
+
+
+def test_check_reassembled_puts_the_shards_together_and_compares():
+    want = {"w": torch.tensor([[1.0, 2.0], [3.0, 4.0]]), "b": torch.ones(2)}
+    checks.check_reassembled(_TwoShards(torch.ones(2)), "grads", "g", want, unshard=_rows, replicated=["b"],
+                             rtol=1e-6)
+    with pytest.raises(CheckFailed, match=r"'grads\[w\]' failed"):
+        checks.check_reassembled(_TwoShards(torch.ones(2)), "grads", "g", want,
+                                 unshard=lambda p: _rows(p[::-1]), replicated=["b"], rtol=1e-6)
+
+
+def test_check_reassembled_rejects_replicated_tensors_that_differ_between_ranks():
+    want = {"w": torch.tensor([[1.0, 2.0], [3.0, 4.0]]), "b": torch.ones(2)}
+    with pytest.raises(CheckFailed, match=r"replicated tensors equal to rank 0's, rank 1\[b\]\" failed"):
+        checks.check_reassembled(_TwoShards(torch.tensor([1.0, 1.5])), "grads", "g", want, unshard=_rows,
+                                 replicated=["b"], rtol=1e-6)
+
+
+def test_summarize_prints_the_worst_error(capsys):
+    check_close("sum a", torch.ones(2) * (1 + 1e-7), torch.ones(2), rtol=1e-6, quiet=True)
+    check_close("sum b", torch.ones(2), torch.ones(2), rtol=1e-6, quiet=True)
+    checks.summarize("sum")
+    assert "ok  sum: 2 comparisons" in capsys.readouterr().out
+    with pytest.raises(CheckFailed, match="no check named"):
+        checks.summarize("nothing")
