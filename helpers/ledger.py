@@ -3,10 +3,16 @@
 The ledger. Every point-to-point message of the book's from-scratch collectives goes through
 :meth:`Ledger.exchange`, which posts the sends and receives with ``batch_isend_irecv`` and writes one
 :class:`Message` per send and per receive into the process's ledger, :data:`LEDGER`. The bytes a rank sent
-and received are therefore counted by the code that moved them, and :func:`expected_bytes` gives what the
-algorithm's formula says they should be, exactly, uneven chunks included. A chapter that calls
-``torch.distributed``'s own collectives (whose messages it cannot see) records them with
-:meth:`Ledger.record`, which books the formula's bytes for that collective and marks them as such.
+and received are therefore *counted* by the code that moved them, and :func:`expected_bytes` gives what the
+algorithm's formula says they should be, exactly, uneven chunks included.
+
+A chapter that calls ``torch.distributed``'s own collectives, whose messages nobody here can see, *books* each
+call with :meth:`Ledger.record`. A booking proves what the call was given: the collective's name, the group
+(its size and global ranks), and the buffer (its number of elements, dtype and element size), all taken from
+the objects passed. Its bytes are the formula's for that collective (marked ``counted=False``): they say what
+a ring or tree would move, never what gloo or NCCL moved, so a booking's bytes must never be checked against
+the formula that produced them. :meth:`Ledger.booked` lists the bookings; ``totals(..., counted=True)`` adds
+up counted messages only.
 
 The model. A message of ``n`` bytes costs ``α + n·β`` (Hockney 1994): ``α`` the latency of one message,
 ``β`` the time per byte. A collective of ``steps`` rounds, on whose critical path ``fraction·n`` bytes move,
@@ -19,8 +25,9 @@ world sizes. Nothing here knows which algorithm gloo or NCCL really runs: booked
 parameters are those of the model's algorithm.
 
     from helpers.ledger import LEDGER, expected_bytes, fit, time_collective
-    LEDGER.record("all_reduce", grads)                 # a torch collective a chapter called
-    sent, received = LEDGER.totals("all_reduce")       # bytes this rank sent and received in it
+    LEDGER.record("all_reduce", grads)                 # book a torch collective a chapter called
+    LEDGER.booked("all_reduce")[0].numel               # what the booking proves: the buffer it was given
+    sent, received = LEDGER.totals("ring_all_reduce", counted=True)  # bytes the book's ring really moved
     model = fit(samples)                               # samples: (collective, bytes, world_size, seconds)
     model.time("all_reduce", 16e9, 8)                  # predicted seconds
 """
@@ -49,7 +56,13 @@ def chunk_sizes(numel: int, world_size: int) -> list[int]:
 
 @dataclass(frozen=True)
 class Message:
-    """One entry of the ledger: bytes this rank sent to, or received from, ``peer``."""
+    """One entry of the ledger: bytes this rank sent to, or received from, ``peer``.
+
+    A counted message (``counted=True``, from :meth:`Ledger.exchange`) is one tensor that really moved. A
+    booked one (from :meth:`Ledger.record`) is half of a torch collective's booking: its ``nbytes`` is the
+    formula's, while ``numel``, ``dtype``, ``element_size`` and ``group_ranks`` describe the buffer and the
+    group the collective was really called with.
+    """
 
     collective: str  # the outermost collective running (``ring_all_reduce``)
     phase: str  # the innermost one (``ring_reduce_scatter`` inside an all-reduce)
@@ -59,6 +72,10 @@ class Message:
     nbytes: int
     chunk: int | None = None  # which chunk of the buffer moved, where the collective says
     counted: bool = True  # False: booked from the formula by record(), not counted message by message
+    numel: int | None = None  # elements of the tensor sent or received (booked: of the buffer passed)
+    dtype: str | None = None  # its dtype, as ``str(tensor.dtype)``
+    element_size: int | None = None  # bytes per element
+    group_ranks: tuple[int, ...] | None = None  # global ranks of the group, in the group's order
 
 
 class Ledger:
@@ -99,10 +116,13 @@ class Ledger:
         phase = self._stack[-1] if self._stack else "p2p"
         step = self._step
         self._step += 1
+        ranks = _group_ranks(group)
         if send is not None:
-            self.messages.append(Message(name, phase, step, "send", dst, _nbytes(send), send_chunk))
+            self.messages.append(Message(name, phase, step, "send", dst, _nbytes(send), send_chunk,
+                                         **_described(send), group_ranks=ranks))
         if recv is not None:
-            self.messages.append(Message(name, phase, step, "recv", src, _nbytes(recv), recv_chunk))
+            self.messages.append(Message(name, phase, step, "recv", src, _nbytes(recv), recv_chunk,
+                                         **_described(recv), group_ranks=ranks))
         try:
             for work in dist.batch_isend_irecv(ops):
                 work.wait()
@@ -112,18 +132,21 @@ class Ledger:
                                f"from {src}) did not complete: {err}") from None
 
     def record(self, collective: str, tensor, group=None, *, root: int = 0) -> None:
-        """Book the bytes of a ``torch.distributed`` collective called on ``tensor`` (its full buffer).
+        """Book a ``torch.distributed`` collective called on ``tensor`` (its full buffer) over ``group``.
 
-        The bytes are the formula's (:func:`expected_bytes`) for the bandwidth-optimal algorithm of that
-        name, marked ``counted=False``: what a ring (or tree, for broadcast and reduce) would move.
+        What the booking proves comes from the objects passed: the name, the group's global ranks, and the
+        buffer's number of elements, dtype and element size. The bytes booked are the formula's
+        (:func:`expected_bytes`) for the bandwidth-optimal algorithm of that name, marked ``counted=False``:
+        what a ring (or tree, for broadcast and reduce) would move, not a count of what did.
         """
         import torch.distributed as dist
 
         rank, world_size = dist.get_rank(group), dist.get_world_size(group)
         sent, received = expected_bytes(collective, tensor.numel(), world_size, rank,
                                         element_size=tensor.element_size(), root=root)
-        self.messages.append(Message(collective, collective, 0, "send", -1, sent, counted=False))
-        self.messages.append(Message(collective, collective, 0, "recv", -1, received, counted=False))
+        booked = dict(_described(tensor), group_ranks=_group_ranks(group), counted=False)
+        self.messages.append(Message(collective, collective, 0, "send", -1, sent, **booked))
+        self.messages.append(Message(collective, collective, 0, "recv", -1, received, **booked))
 
     def record_all_to_all(self, label: str, tensor, input_split_sizes, output_split_sizes, group=None) -> None:
         """Book an ``all_to_all_single`` with uneven splits under ``label``: the rows it sends to other ranks.
@@ -137,16 +160,28 @@ class Ledger:
         row = tensor[0].numel() if tensor.shape[0] else tensor.numel()
         sent, received = all_to_all_bytes(input_split_sizes, output_split_sizes, rank,
                                           row_bytes=row * tensor.element_size())
-        self.messages.append(Message(label, label, 0, "send", -1, sent, counted=False))
-        self.messages.append(Message(label, label, 0, "recv", -1, received, counted=False))
+        booked = dict(_described(tensor), group_ranks=_group_ranks(group), counted=False)
+        self.messages.append(Message(label, label, 0, "send", -1, sent, **booked))
+        self.messages.append(Message(label, label, 0, "recv", -1, received, **booked))
 
-    def totals(self, collective: str | None = None) -> tuple[int, int]:
-        """Bytes sent and bytes received by this rank, in one collective or in all of them."""
-        sent = sum(m.nbytes for m in self.messages
-                   if m.direction == "send" and collective in (None, m.collective))
-        received = sum(m.nbytes for m in self.messages
-                       if m.direction == "recv" and collective in (None, m.collective))
+    def totals(self, collective: str | None = None, *, counted: bool | None = None) -> tuple[int, int]:
+        """Bytes sent and bytes received by this rank, in one collective or in all of them.
+
+        ``counted=True`` adds up only messages counted by :meth:`exchange`, ``counted=False`` only bookings;
+        by default both.
+        """
+        def kept(m, direction):
+            return (m.direction == direction and collective in (None, m.collective)
+                    and counted in (None, m.counted))
+
+        sent = sum(m.nbytes for m in self.messages if kept(m, "send"))
+        received = sum(m.nbytes for m in self.messages if kept(m, "recv"))
         return sent, received
+
+    def booked(self, collective: str | None = None) -> list[Message]:
+        """The torch collectives booked by :meth:`record` (one entry per call, in call order)."""
+        return [m for m in self.messages
+                if not m.counted and m.direction == "send" and collective in (None, m.collective)]
 
     def clear(self, collective: str | None = None) -> None:
         """Forget every message, or only those of one collective."""
@@ -166,6 +201,16 @@ def _global(rank: int, group) -> int:
 
 def _nbytes(tensor) -> int:
     return tensor.numel() * tensor.element_size()
+
+
+def _described(tensor) -> dict:
+    return {"numel": tensor.numel(), "dtype": str(tensor.dtype), "element_size": tensor.element_size()}
+
+
+def _group_ranks(group) -> tuple[int, ...]:
+    import torch.distributed as dist
+
+    return tuple(dist.get_process_group_ranks(dist.group.WORLD if group is None else group))
 
 
 # ---------------------------------------------------------------------------------------------------------

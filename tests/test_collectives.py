@@ -201,11 +201,15 @@ def _worker(rank, world_size, port, out_dir):
             found["values"][name, n] = same
             found["bytes"][name, n] = (LEDGER.totals(name),
                                        expected_bytes(name, n, world_size, rank, root=ROOTS.get(name, 0)))
+        found["described", n] = {(m.numel, m.dtype, m.element_size, m.group_ranks, m.nbytes)
+                                 for m in LEDGER.messages if m.collective == "ring_all_reduce"}
         LEDGER.clear()
+        collectives.ring_all_reduce(x)
         dist.all_reduce(x.clone())
         LEDGER.record("all_reduce", x)
-        found["bytes"]["booked all_reduce", n] = (LEDGER.totals("all_reduce"),
-                                                  expected_bytes("ring_all_reduce", n, world_size, rank))
+        found["booked", n] = [(m.collective, m.numel, m.dtype, m.element_size, m.group_ranks)
+                              for m in LEDGER.booked()]
+        found["counted only", n] = LEDGER.totals(counted=True), LEDGER.totals("ring_all_reduce")
 
     # a group of ranks 1-3: group ranks differ from global ones, and 3 ranks is not a power of two
     group = dist.new_group([1, 2, 3])
@@ -213,6 +217,11 @@ def _worker(rank, world_size, port, out_dir):
         inputs = [_input(r, 10) for r in (1, 2, 3)]
         found["values"]["ring_all_reduce in group 1-3", 10] = torch.equal(
             collectives.ring_all_reduce(_input(rank, 10), group=group), sum(inputs))
+        LEDGER.clear()
+        dist.all_reduce(_input(rank, 10).double(), group=group)
+        LEDGER.record("all_reduce", _input(rank, 10).double(), group)
+        found["booked in group 1-3"] = [(m.collective, m.numel, m.dtype, m.element_size, m.group_ranks)
+                                        for m in LEDGER.booked()]
         try:
             collectives.recursive_doubling_all_reduce(_input(rank, 10), group=group)
             found["broken"]["recursive doubling on 3 ranks"] = None
@@ -273,6 +282,26 @@ def test_ledger_counts_equal_the_formula(found):
             assert counted == formula, (rank, key)
     # uneven chunks: the counts really differ by rank, and the formula follows them
     assert len({found[r]["bytes"]["ring_all_reduce", 10][0] for r in range(WORLD_SIZE)}) > 1
+
+
+def test_counted_messages_describe_the_tensor_that_moved(found):
+    for rank, per_rank in enumerate(found):
+        for n in SIZES:
+            # every message of a ring all-reduce is one fp32 chunk of the world's buffer
+            chunks = set(chunk_sizes(n, WORLD_SIZE))
+            for numel, dtype, element_size, group_ranks, nbytes in per_rank["described", n]:
+                assert (dtype, element_size, group_ranks) == ("torch.float32", 4, (0, 1, 2, 3))
+                assert numel in chunks and nbytes == 4 * numel
+
+
+def test_a_booking_records_the_collective_group_and_buffer_it_was_called_with(found):
+    for rank, per_rank in enumerate(found):
+        for n in SIZES:
+            assert per_rank["booked", n] == [("all_reduce", n, "torch.float32", 4, (0, 1, 2, 3))]
+            counted_only, ring = per_rank["counted only", n]
+            assert counted_only == ring  # the booked all_reduce is left out of counted totals
+    for rank in (1, 2, 3):
+        assert found[rank]["booked in group 1-3"] == [("all_reduce", 10, "torch.float64", 8, (1, 2, 3))]
 
 
 def test_collectives_work_on_a_group_with_its_own_numbering(found):
