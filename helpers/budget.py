@@ -306,12 +306,15 @@ def step_flops(model: ModelShape, batch: Batch, recompute: str = "none") -> dict
 
     Forward is 2 FLOPs per weight per token; backward computes two matmuls for each forward one (gradient of
     the input and of the weight), so a training step is 3x the forward: 6*N*tokens. Full recomputation runs the
-    forward once more (4x); selective recomputation repeats the attention core only.
+    transformer layers' forward once more (4x for them), not the LM head's: each layer's checkpoint ends at its
+    output, and the head's forward is kept (Narayanan et al. 2021, eq. 3: 96Bslh^2 for the layers, 6BshV for
+    the head). Selective recomputation repeats the attention core only.
     """
     tokens = batch.global_batch * batch.seq_len
     linear_fwd = 2 * matmul_params(model) * tokens
+    layers_fwd = linear_fwd - 2 * model.vocab_size * model.d_model * tokens  # without the LM head
     attn_fwd = attention_flops_forward(model, tokens, batch.seq_len)
-    extra_linear = linear_fwd if recompute == "full" else 0
+    extra_linear = layers_fwd if recompute == "full" else 0
     extra_attn = attn_fwd if recompute in ("full", "selective") else 0
     return {"linear": 3 * linear_fwd + extra_linear, "attention": 3 * attn_fwd + extra_attn,
             "model": 3 * (linear_fwd + attn_fwd),  # what MFU counts: no recomputation
@@ -342,9 +345,10 @@ def layer_activation_bytes(model: ModelShape, seq_len: int, micro_batch: int, ac
     # column-parallel layers (QKV and the MLP's first), and the two dropout masks (one byte each).
     outside = 2 * sbh * e + 2 * s * b * act.norm_stat_bytes + 2 * sbh * lin + (2 * sbh if act.dropout else 0)
     # Inside it, split over tp: Q, K and V, the input of the output projection, the MLP's hidden activations
-    # (GELU's input and output; or SwiGLU's gate, up and their product).
+    # (GELU's input and output; or SwiGLU's gate, silu(gate), up and their product: silu saves its input, the
+    # product saves both factors, the down projection its input).
     inside = (sbh + 2 * s * b * kv) * e + sbh * lin
-    inside += s * b * f * (2 * e + lin) if model.gated else s * b * f * (e + lin)
+    inside += s * b * f * (3 * e + lin) if model.gated else s * b * f * (e + lin)
     if act.attention == "materialized":
         if act.recompute != "selective":  # selective recomputation redoes softmax(QK^T)V in backward
             # the softmax probabilities; with dropout also its one-byte mask and its output
@@ -355,6 +359,22 @@ def layer_activation_bytes(model: ModelShape, seq_len: int, micro_batch: int, ac
 
 
 # --------------------------------------------------------------------------------------------- the budget
+
+@dataclass(frozen=True)
+class DPTransfer:
+    """Data-parallel collectives issued together, ``times`` per step, and the compute they may hide behind.
+
+    ``behind`` is "backward" (the backward of one micro-batch: the gradients it reduces are final only once the
+    micro-batch that produced them has passed), "forward" (ZeRO-3's prefetched gather before a micro-batch's
+    forward) or "" (nothing: the parameters' all-gather after the optimizer step).
+    """
+
+    kind: str          # "dp" or "dp (experts)": the group, for its link
+    nbytes: float      # per occurrence
+    messages: int      # sequential message steps per occurrence
+    times: int         # occurrences per step
+    behind: str
+
 
 @dataclass
 class Budget:
@@ -374,6 +394,7 @@ class Budget:
     flops: dict
     sent: dict = field(default_factory=dict)    # bytes this rank sends per step, by parallelism
     messages: dict = field(default_factory=dict)  # sequential message steps per step, by parallelism
+    dp_transfers: list = field(default_factory=list)  # when data-parallel traffic runs: DPTransfer each
 
     @property
     def state_bytes(self) -> int:
@@ -473,7 +494,7 @@ def budget(model: ModelShape, batch: Batch, layout: Layout, precision: Precision
     _, dense, expert, (params, grads, optim), acts = worst
     b = Budget(model, batch, L, P, act, dense + expert, params, grads, optim, acts, m,
                step_flops(model, batch, act.recompute))
-    b.sent, b.messages = _traffic(model, batch, L, P, act, dense, expert, m)
+    b.sent, b.messages, b.dp_transfers = _traffic(model, batch, L, P, act, dense, expert, m)
     return b
 
 
@@ -490,35 +511,49 @@ def ring_all_gather_bytes(n_bytes: int, n: int) -> float:
 
 
 def _traffic(model, batch, L: Layout, P: Precision, act: ActivationModel, dense: int, expert: int, m: int):
-    """Bytes each parallelism sends from one rank per optimizer step, and its sequential message steps."""
-    sent, steps = {}, {}
+    """Bytes each parallelism sends from one rank per optimizer step, its sequential message steps, and when the
+    data-parallel part of it runs (:class:`DPTransfer`)."""
+    sent, steps, transfers = {}, {}, []
     D, De = L.dp * L.cp, L.dp * L.cp // L.ep
-    # data parallel (dense over dp*cp, experts over dp*cp/ep), once per step; ZeRO-3 gathers every micro-batch
+    # Data parallel (dense over dp*cp, experts over dp*cp/ep). Unsharded gradients accumulate over the m
+    # micro-batches and are reduced once; sharded ones (ZeRO-2, ZeRO-3) keep only this rank's shard, so every
+    # micro-batch's gradient is reduce-scattered before the next overwrites the unsharded buffer; ZeRO-3 also
+    # gathers the parameters for every micro-batch's forward and again for its backward.
     for label, count, group in (("dp", dense, D), ("dp (experts)", expert, De)):
         if group == 1 or count == 0:
             continue
         g, p = count * P.grad_bytes, count * P.param_bytes
+        rs, ag, n = ring_all_gather_bytes(g, group), ring_all_gather_bytes(p, group), group - 1
         if L.zero == 0:
-            sent[label], steps[label] = ring_all_reduce_bytes(g, group), 2 * (group - 1)
-        elif L.zero in (1, 2):
-            sent[label] = ring_all_gather_bytes(g, group) + ring_all_gather_bytes(p, group)
-            steps[label] = 2 * (group - 1)
+            plan = [(ring_all_reduce_bytes(g, group), 2 * n, 1, "backward")]
+        elif L.zero == 1:
+            plan = [(rs, n, 1, "backward"), (ag, n, 1, "")]
+        elif L.zero == 2:
+            plan = [(rs, n, m, "backward"), (ag, n, 1, "")]
         else:
-            sent[label] = m * (ring_all_gather_bytes(g, group) + 2 * ring_all_gather_bytes(p, group))
-            steps[label] = 3 * m * (group - 1)
+            plan = [(ag, n, m, "forward"), (ag + rs, 2 * n, m, "backward")]
+        transfers += [DPTransfer(label, nbytes, k, times, behind) for nbytes, k, times, behind in plan]
+        sent[label] = sum(nbytes * times for nbytes, _, times, _ in plan)
+        steps[label] = sum(k * times for _, k, times, _ in plan)
     s_rank = batch.seq_len // L.cp
     x = batch.micro_batch * s_rank * model.d_model * P.act_bytes  # one activation tensor of a micro-batch
     stage = max(stage_layers(model.n_layers, L.pp), key=len)  # the busiest stage
     layers = len(stage)
     if L.tp > 1:
-        # two all-reduces per layer forward and two backward (Megatron's f and g), or as many all-gathers
-        # and reduce-scatters with sequence parallelism (same bytes); a fully recomputed forward repeats them
-        per_collective = ring_all_reduce_bytes(x, L.tp) if not L.sp else 2 * ring_all_gather_bytes(x, L.tp)
-        per_layer = (4 + (2 if act.recompute == "full" else 0)) * per_collective
-        # the vocabulary-parallel embedding (forward) and LM head input (backward) on the end stages
-        ends = 2 * per_collective if L.pp == 1 else per_collective
-        sent["tp"] = m * (layers * per_layer + ends)
-        steps["tp"] = m * (layers * (4 + (2 if act.recompute == "full" else 0)) + 2) * 2 * (L.tp - 1)
+        # Two all-reduces per layer forward and two backward (Megatron's f and g); with sequence parallelism
+        # each becomes an all-gather and a reduce-scatter (the same bytes), and backward gathers the inputs of
+        # the two column-parallel layers again, half an all-reduce each: the activation accounting of
+        # Korthikanti et al. 2022 keeps only this rank's slice of them, as Megatron does. A fully recomputed
+        # forward repeats the forward's two. The vocabulary-parallel embedding (forward) sits on the first
+        # stage, the LM head's input (backward, re-gathered with SP) on the last: with pp > 1 the model charges
+        # the busiest stage's layers and the costlier end, the head.
+        all_reduce = ring_all_reduce_bytes(x, L.tp)  # = an all-gather + a reduce-scatter of x
+        regather = ring_all_gather_bytes(x, L.tp) if L.sp else 0
+        n_layer = 4 + (2 if act.recompute == "full" else 0)  # all-reduces, or all-gather/reduce-scatter pairs
+        embedding, head = all_reduce, all_reduce + regather
+        sent["tp"] = m * (layers * (n_layer * all_reduce + 2 * regather) + head + (embedding if L.pp == 1 else 0))
+        pairs = layers * n_layer + (2 if L.pp == 1 else 1)
+        steps["tp"] = m * (2 * pairs + ((2 * layers + 1) if L.sp else 0)) * (L.tp - 1)
     if L.pp > 1:
         boundary = x // (L.tp if L.sp else 1)
         sent["pp"] = 2 * L.vpp * m * boundary  # an interior stage: activations forward, gradients back
@@ -533,7 +568,7 @@ def _traffic(model, batch, L: Layout, P: Precision, act: ActivationModel, dense:
         routed = tokens * model.top_k * model.d_model * P.act_bytes
         sent["ep"] = m * moe_layers * 4 * (L.ep - 1) * routed / L.ep  # dispatch, combine; twice in backward
         steps["ep"] = m * moe_layers * 4 * (L.ep - 1)
-    return sent, steps
+    return sent, steps, transfers
 
 
 # --------------------------------------------------------------------------------------------- time
@@ -561,20 +596,36 @@ def _group_bandwidth(kind: str, L: Layout, cluster: Cluster) -> tuple[float, flo
 def step_time(b: Budget, cluster: Cluster, overlap: bool = True) -> StepTime:
     """The alpha-beta time of one step: compute at ``efficiency * peak``, each group's traffic at its link.
 
-    With ``overlap``, data-parallel traffic hides behind the backward pass (two thirds of the compute);
-    tensor-, context- and expert-parallel traffic sits on the critical path. The pipeline bubble adds
-    (pp-1)/(vpp*m) of the compute (Narayanan et al. 2021).
+    With ``overlap``, data-parallel traffic hides only behind compute that runs while it is in flight
+    (:class:`DPTransfer`): a gradient reduction behind the backward of the micro-batch whose gradients it
+    reduces, so a reduction once per step hides behind the last micro-batch's backward alone, 2/3 of
+    compute/m (on the first pipeline stage, whose last backward ends the step: later stages could also hide
+    it behind their cooldown, but the step waits for the first); ZeRO-3's gathers behind the micro-batch they
+    serve; the parameters' all-gather after the optimizer step behind nothing. Tensor-, context- and
+    expert-parallel traffic sits on the critical path. The pipeline bubble adds (pp-1)/(vpp*m) of the
+    compute (Narayanan et al. 2021).
     """
-    L = b.layout
-    compute = b.flops["total"] / L.world_size / (cluster.peak_flops * cluster.efficiency)
+    L, m = b.layout, b.micro_batches
+    rate = cluster.peak_flops * cluster.efficiency
+    compute = b.flops["total"] / L.world_size / rate
+    forward = b.flops["model"] / 3 / L.world_size / rate / m  # one micro-batch's forward, without recomputation
+    window = {"forward": forward, "backward": compute / m - forward, "": 0.0}
     comm = {}
     for kind, n_bytes in b.sent.items():
         bw, alpha = _group_bandwidth(kind, L, cluster)
         comm[kind] = n_bytes / bw + b.messages[kind] * alpha
     dp_comm = sum(v for k, v in comm.items() if k.startswith("dp"))
     other = sum(v for k, v in comm.items() if not k.startswith("dp"))
-    exposed = other + (max(0.0, dp_comm - 2 / 3 * compute) if overlap else dp_comm)
-    bubble = compute * (L.pp - 1) / (L.vpp * b.micro_batches) if L.pp > 1 else 0.0
+    if overlap:  # the transfers that share a window (the dense and the expert groups') run in it together
+        shared = {}
+        for x in b.dp_transfers:
+            bw, alpha = _group_bandwidth(x.kind, L, cluster)
+            shared[x.behind, x.times] = shared.get((x.behind, x.times), 0.0) + x.nbytes / bw + x.messages * alpha
+        dp_exposed = sum(times * max(0.0, seconds - window[behind]) for (behind, times), seconds in shared.items())
+    else:
+        dp_exposed = dp_comm
+    exposed = other + dp_exposed
+    bubble = compute * (L.pp - 1) / (L.vpp * m) if L.pp > 1 else 0.0
     step = compute + bubble + exposed
     mfu = b.flops["model"] / (step * L.world_size * cluster.peak_flops)
     return StepTime(compute, comm, exposed, bubble, step, mfu)

@@ -53,7 +53,33 @@ def test_flops_are_six_n_t_plus_attention():
     tokens = 64 * 2048
     assert f["linear"] == 6 * B.matmul_params(B.LLAMA3_8B) * tokens
     assert f["attention"] == 3 * 32 * 4 * tokens * 2048 * 4096
-    assert B.step_flops(B.LLAMA3_8B, batch, "full")["total"] == f["total"] + f["linear"] // 3 + f["attention"] // 3
+    # full recomputation repeats the layers' forward, not the LM head's (Narayanan et al. 2021, eq. 3)
+    head_forward = 2 * B.LLAMA3_8B.vocab_size * B.LLAMA3_8B.d_model * tokens
+    full = B.step_flops(B.LLAMA3_8B, batch, "full")
+    assert full["total"] == f["total"] + f["linear"] // 3 - head_forward + f["attention"] // 3
+    assert full["model"] == f["model"]
+
+
+def test_full_recomputation_flops_against_flop_counter():
+    """Checkpointing every block of the book's GPT: FlopCounterMode counts what the calculator predicts (with
+    early stopping off, PyTorch recomputes the whole block, as Megatron does; on, it skips the last matmul)."""
+    from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
+
+    from helpers.measure import count_flops
+
+    cfg = GPTConfig()
+    model, b = GPT(cfg), 2
+    idx = torch.randint(0, cfg.vocab_size, (b, cfg.seq_len), generator=torch.Generator().manual_seed(0))
+
+    def step():
+        h = model.tok_emb(idx) + model.pos_emb(torch.arange(cfg.seq_len))
+        for block in model.blocks:
+            h = checkpoint(block, h, use_reentrant=False)
+        model.lm_head(model.ln_f(h)).logsumexp(-1).mean().backward()
+
+    with set_checkpoint_early_stop(False):
+        counted = sum(count_flops(step).values())
+    assert counted == B.step_flops(B.ModelShape.from_gpt(cfg), B.Batch(cfg.seq_len, b, b), "full")["total"]
 
 
 def test_zero_stages_shard_what_they_should():
@@ -69,11 +95,28 @@ def test_zero_stages_shard_what_they_should():
     assert states[3].sent["dp"] == pytest.approx(1.5 * states[0].sent["dp"] * batch.global_batch / 8)
 
 
-def test_tensor_and_sequence_parallel_traffic_is_the_same():
+def test_zero2_reduce_scatters_every_micro_batch():
+    """Sharded gradients cannot accumulate whole: one reduce-scatter per micro-batch, one all-gather per step."""
+    n = B.count_params(B.LLAMA3_8B).total
+    for m in (1, 4):
+        b = B.budget(B.LLAMA3_8B, B.Batch(4096, 1, 8 * m), B.Layout(dp=8, zero=2))
+        assert b.micro_batches == m
+        assert b.sent["dp"] == pytest.approx((m + 1) * 7 / 8 * 2 * n, rel=1e-12)
+        assert b.messages["dp"] == (m + 1) * 7
+
+
+def test_sequence_parallel_sends_the_backward_regathers_too():
+    """SP's all-gathers and reduce-scatters carry what TP's all-reduces carry, plus two re-gathers per layer in
+    backward and one for the LM head's input: 25 % more (chapter 05 books them on the real run)."""
     batch = B.Batch(4096, 1, 8)
     tp = B.budget(B.LLAMA3_8B, batch, B.Layout(tp=8))
     sp = B.budget(B.LLAMA3_8B, batch, B.Layout(tp=8, sp=True))
-    assert tp.sent["tp"] == sp.sent["tp"]
+    x = 4096 * B.LLAMA3_8B.d_model * 2  # one activation of a micro-batch, bf16
+    m, layers = 8, B.LLAMA3_8B.n_layers
+    assert tp.sent["tp"] == pytest.approx(m * (4 * layers + 2) * 2 * 7 / 8 * x, rel=1e-12)
+    assert sp.sent["tp"] - tp.sent["tp"] == pytest.approx(m * (2 * layers + 1) * 7 / 8 * x, rel=1e-12)
+    assert sp.sent["tp"] == pytest.approx(1.25 * tp.sent["tp"], rel=1e-12)
+    assert sp.messages["tp"] - tp.messages["tp"] == m * (2 * layers + 1) * 7
     assert sp.activation_bytes < tp.activation_bytes
 
 
@@ -88,6 +131,33 @@ def test_step_time_and_mfu_are_sane():
     t = B.step_time(b, B.H100)
     assert 0 < t.mfu < B.H100.efficiency
     assert t.step_s > t.compute_s
+
+
+def test_gradient_all_reduce_hides_only_behind_the_last_micro_batch_backward():
+    """With m micro-batches, the all-reduce of the accumulated gradients starts in the last backward: it can
+    hide behind 2/3 of compute/m, not 2/3 of the whole step's compute."""
+    m = 8
+    b = B.budget(B.LLAMA3_8B, B.Batch(8192, 1, 64 * m), B.Layout(dp=64))
+    t = B.step_time(b, B.H100)
+    last_backward = 2 / 3 * t.compute_s / m
+    assert last_backward < t.comm_s["dp"] < 2 / 3 * t.compute_s  # the old model hid all of it
+    assert t.exposed_comm_s == pytest.approx(t.comm_s["dp"] - last_backward, rel=1e-12)
+    assert t.step_s == pytest.approx(t.compute_s + t.comm_s["dp"] - last_backward, rel=1e-12)
+    assert B.step_time(b, B.H100, overlap=False).exposed_comm_s == t.comm_s["dp"]
+
+
+def test_mfu_counts_model_flops_only():
+    """PaLM's MFU: (6N + 12·L·H·Q·T) FLOPs per token times tokens per second over the peak; recomputation
+    changes the step time, never the numerator."""
+    model, batch = B.LLAMA3_8B, B.Batch(8192, 1, 64)
+    n_matmul = B.count_params(model).total - model.vocab_size * model.d_model - \
+        (2 * model.n_layers + 1) * model.d_model  # the embedding lookup and the norms do no matmul
+    per_token = 6 * n_matmul + 12 * model.n_layers * model.n_heads * model.head_dim * batch.seq_len
+    for recompute in ("none", "full"):
+        b = B.budget(model, batch, B.Layout(dp=8, tp=8), act=B.ActivationModel(recompute=recompute))
+        t = B.step_time(b, B.H100)
+        tokens_per_s = batch.global_batch * batch.seq_len / t.step_s
+        assert t.mfu == pytest.approx(per_token * tokens_per_s / (64 * B.H100.peak_flops), rel=1e-12)
 
 
 @pytest.mark.parametrize("layout, batch, message", [
@@ -114,11 +184,13 @@ def test_bad_layout_fields_are_refused_at_once():
         B.budget(B.LLAMA3_8B, B.Batch(4096, 1, 8), B.Layout(dp=8), world_size=16)
 
 
-def test_measured_activations_of_the_books_gpt():
-    """The calculator's profile of the book's GPT equals what autograd saves, per layer, exactly."""
+@pytest.mark.parametrize("gated", [False, True])
+def test_measured_activations_of_the_books_gpt(gated):
+    """The calculator's profile of the book's GPT equals what autograd saves, per layer, exactly; gated, the MLP
+    keeps gate, silu(gate), up and their product (four d_ff-wide tensors)."""
     from helpers.measure import saved_bytes_per_layer
 
-    cfg = GPTConfig()
+    cfg = GPTConfig(gated=gated)
     act = B.ActivationModel(attention="flash", kv_expanded=True, norm_stat_bytes=8)
     shape = B.ModelShape.from_gpt(cfg)
     assert saved_bytes_per_layer(cfg, 2, 32) == B.layer_activation_bytes(shape, 32, 2, act, B.FP32)
