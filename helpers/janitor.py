@@ -1,11 +1,13 @@
 """Kill a notebook's engines and controller when the notebook's kernel dies.
 
-``python -m helpers.janitor KERNEL_PID PID...`` polls twice a second. If the kernel is gone (killed, or
-restarted from JupyterLab, so its atexit handlers never ran) it kills the other PIDs and their children and
-exits; if the other PIDs are all gone first (the kernel stopped them), it just exits.
+``python -m helpers.janitor [--remove DIR] KERNEL_PID PID...`` polls twice a second. If the kernel is gone
+(killed, or restarted from JupyterLab, so its atexit handlers never ran) it kills the other PIDs and their
+children, removes ``DIR`` (the ranks' rendezvous folder, which the kernel would have removed) and exits; if the
+other PIDs are all gone first (the kernel stopped them), it just exits.
 """
 
 import os
+import shutil
 import signal
 import sys
 import time
@@ -44,14 +46,19 @@ def kill_tree(pid: int) -> None:
 
 
 def main(argv: list[str]) -> int:
+    remove = None
+    if argv[:1] == ["--remove"]:
+        remove, argv = argv[1], argv[2:]
     kernel, targets = int(argv[0]), [int(p) for p in argv[1:]]
     while True:
         targets = [p for p in targets if alive(p)]
-        if not targets:
-            return 0
-        if not alive(kernel):
+        kernel_alive = alive(kernel)
+        if not kernel_alive:
             for pid in targets:
                 kill_tree(pid)
+        if not kernel_alive or not targets:
+            if not kernel_alive and remove is not None:
+                shutil.rmtree(remove, ignore_errors=True)
             return 0
         time.sleep(0.5)
 

@@ -12,6 +12,10 @@ Three things make sure no engine outlives the notebook:
 - ``ranks.stop()`` runs when the kernel exits (atexit), and when ``start_ranks`` is called again;
 - a small janitor process (:mod:`helpers.janitor`) kills the engines and the controller if the kernel dies
   without running atexit (killed, or restarted from JupyterLab).
+
+Nothing else outlives it either: the rendezvous file and the IPython profile the controller and engines write
+into (connection files, logs, the engine-state file) live in one temporary folder per set of ranks, and
+whoever ends the ranks (``stop``, a failed start, or the janitor) removes that folder.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -33,12 +38,12 @@ _current: "Ranks | None" = None
 class Ranks:
     """A running set of ranks: the engines in rank order, and ways to talk to them from the kernel."""
 
-    def __init__(self, cluster, client, world_size: int, store_dir: str, janitor: subprocess.Popen):
+    def __init__(self, cluster, client, world_size: int, run_dir: str, janitor: subprocess.Popen):
         self.cluster = cluster
         self.client = client
         self.world_size = world_size
         self.backend = book_dist.backend()
-        self._store_dir = store_dir
+        self.run_dir = run_dir  # the rendezvous file and the cluster's IPython profile; removed by stop()
         self._janitor = janitor
         self.view = client[list(range(world_size))]  # engine id i is rank i (see start_ranks)
         self.view.block = True
@@ -105,9 +110,7 @@ class Ranks:
             finally:
                 self._janitor.terminate()
                 self._janitor.wait()
-                for name in os.listdir(self._store_dir):
-                    os.unlink(os.path.join(self._store_dir, name))
-                os.rmdir(self._store_dir)
+                shutil.rmtree(self.run_dir, ignore_errors=True)
                 if _current is self:
                     _current = None
 
@@ -156,28 +159,30 @@ def start_ranks(world_size: int = 4, *, timeout_s: float | None = None, activate
     # stopped by signal (stop, janitor) rather than through it.
     config = Config()
     config.LocalEngineSetLauncher.engine_args = ["--IPEngine.enable_nanny=False"]
-    cluster = ipp.Cluster(n=world_size, controller_ip="127.0.0.1", log_level=logging.ERROR, config=config)
-    cluster.start_cluster_sync()
-    client = cluster.connect_client_sync()
-    client.wait_for_engines(world_size, timeout=120, interactive=False)  # no progress bar on the page
-    if sorted(client.ids) != list(range(world_size)):
-        cluster.stop_cluster_sync()
-        raise RuntimeError(f"expected engine ids 0..{world_size - 1}, got {client.ids}")
-    controller_pid = cluster.controller.process.pid
-    engine_pids = client[:].apply_sync(os.getpid)
-    janitor = subprocess.Popen(
-        [sys.executable, "-m", "helpers.janitor", str(os.getpid()), str(controller_pid),
-         *map(str, engine_pids)],
-        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        start_new_session=True,
-        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-    )
-    store_dir = tempfile.mkdtemp(prefix="book-rendezvous-")
-    store_file = os.path.join(store_dir, "store")
-    workdir = os.getcwd()
-    threads = max(1, (os.cpu_count() or 1) // world_size)
+    run_dir = tempfile.mkdtemp(prefix="book-rendezvous-")
+    store_file = os.path.join(run_dir, "store")
+    # The cluster's own profile, not ~/.ipython: its connection files, logs and engine-state file go with run_dir.
+    cluster = ipp.Cluster(n=world_size, controller_ip="127.0.0.1", log_level=logging.ERROR, config=config,
+                          profile_dir=os.path.join(run_dir, "ipython"))
+    janitor = None
     ranks = None
     try:
+        cluster.start_cluster_sync()
+        client = cluster.connect_client_sync()
+        client.wait_for_engines(world_size, timeout=120, interactive=False)  # no progress bar on the page
+        if sorted(client.ids) != list(range(world_size)):
+            raise RuntimeError(f"expected engine ids 0..{world_size - 1}, got {client.ids}")
+        controller_pid = cluster.controller.process.pid
+        engine_pids = client[:].apply_sync(os.getpid)
+        janitor = subprocess.Popen(
+            [sys.executable, "-m", "helpers.janitor", "--remove", run_dir, str(os.getpid()),
+             str(controller_pid), *map(str, engine_pids)],
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            start_new_session=True,
+            cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+        )
+        workdir = os.getcwd()
+        threads = max(1, (os.cpu_count() or 1) // world_size)
         # All ranks must join at once: launch every join, then wait for all of them.
         pending = [client[rank].apply_async(_join, rank, world_size, store_file, timeout_s, workdir,
                                              threads)
@@ -185,11 +190,16 @@ def start_ranks(world_size: int = 4, *, timeout_s: float | None = None, activate
         deadline = time.monotonic() + timeout_s + 30
         for result in pending:
             result.get(timeout=max(1.0, deadline - time.monotonic()))
-        ranks = Ranks(cluster, client, world_size, store_dir, janitor)
+        ranks = Ranks(cluster, client, world_size, run_dir, janitor)
     finally:
         if ranks is None:
-            janitor.terminate()
-            cluster.stop_cluster_sync()
+            if janitor is not None:
+                janitor.terminate()
+                janitor.wait()
+            try:
+                cluster.stop_cluster_sync()
+            finally:
+                shutil.rmtree(run_dir, ignore_errors=True)
     _current = ranks
     if activate:
         ranks.view.activate()

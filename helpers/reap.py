@@ -5,13 +5,19 @@ kernel is killed, its engines survive it. This wrapper makes itself a child subr
 ``PR_SET_CHILD_SUBREAPER``), so every orphan of the command is re-parented to it rather than to init; when the
 command ends, or the wrapper is interrupted, it ends all remaining descendants, says which, and exits with the
 command's status.
+
+The command also gets a temporary folder of its own (``TMPDIR``), removed when it ends: what third-party code
+leaves in the temporary folder (torch's ``torchinductor_*`` cache, torchrun's ``torchelastic_*`` logs, pytest's
+``pytest-of-*``) goes with it. The book's own code removes its temporary files itself; the tests check that.
 """
 
 import ctypes
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 
 from .janitor import children
@@ -78,19 +84,23 @@ def main(argv: list[str]) -> int:
         libc = ctypes.CDLL(None, use_errno=True)
         if libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
             print("reap: could not become a subreaper; orphans may survive", file=sys.stderr)
-    proc = subprocess.Popen(argv)
+    private_tmp = tempfile.mkdtemp(prefix="book-run-")
+    proc = subprocess.Popen(argv, env={**os.environ, "TMPDIR": private_tmp})
 
     def forward(signum, _frame):
         proc.send_signal(signum)
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, forward)
-    status = proc.wait()
-    left = end_descendants()
-    if left:
-        print(f"reap: ended {len(left)} process(es) the command left behind:", file=sys.stderr)
-        for line in left:
-            print(f"  {line}", file=sys.stderr)
+    try:
+        status = proc.wait()
+        left = end_descendants()
+        if left:
+            print(f"reap: ended {len(left)} process(es) the command left behind:", file=sys.stderr)
+            for line in left:
+                print(f"  {line}", file=sys.stderr)
+    finally:
+        shutil.rmtree(private_tmp, ignore_errors=True)
     return status if status >= 0 else 128 - status
 
 

@@ -1,4 +1,5 @@
-"""Ranks start, talk, time out instead of hanging, listen on loopback only, and leave nothing behind."""
+"""Ranks start, talk, time out instead of hanging, listen on loopback only, and leave nothing behind:
+no process, no temporary file or folder."""
 
 import os
 import signal
@@ -6,6 +7,8 @@ import subprocess
 import sys
 import textwrap
 import time
+
+import glob
 
 import ipyparallel as ipp
 import psutil
@@ -52,6 +55,15 @@ def ranks():
     yield r
     r.stop()
     assert wait_until_gone() == []
+    assert not os.path.exists(r.run_dir), f"stop() left the ranks' folder {r.run_dir}"
+
+
+def test_the_cluster_writes_only_into_the_ranks_folder(ranks):
+    """Its profile (connection files, logs, the engine-state file) is not ~/.ipython's, so stop() removes it."""
+    assert os.path.commonpath([ranks.cluster.profile_dir, ranks.run_dir]) == ranks.run_dir
+    assert glob.glob(os.path.join(ranks.run_dir, "ipython", "log", "engines*.json")), \
+        "the controller's engine-state file is not in the ranks' folder"
+    assert os.path.exists(os.path.join(ranks.run_dir, "store"))
 
 
 @ipp.interactive  # sent by value: the engines cannot import this test module
@@ -102,16 +114,20 @@ def test_janitor_kills_the_ranks_of_a_killed_kernel(tmp_path):
         ranks = start_ranks(2, activate=False)
         controller = psutil.Process(ranks.cluster.controller.process.pid)
         pids = ranks.pids + [controller.pid] + [c.pid for c in controller.children(recursive=True)]
-        print(" ".join(map(str, pids)), flush=True)
+        print(ranks.run_dir, " ".join(map(str, pids)), flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
     """))
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
     assert done.returncode == -signal.SIGKILL, done.stderr
-    pids = [int(p) for p in done.stdout.split()]
-    assert len(pids) > 3
+    run_dir, *pids = done.stdout.split()
+    pids = [int(p) for p in pids]
+    assert len(pids) > 3 and os.path.isabs(run_dir)
     deadline = time.monotonic() + 10
     while any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids):
         assert time.monotonic() < deadline, "engines outlived their kernel"
+        time.sleep(0.2)
+    while os.path.exists(run_dir):
+        assert time.monotonic() < deadline, f"the ranks' folder {run_dir} outlived their kernel"
         time.sleep(0.2)
 
 
@@ -124,6 +140,17 @@ def test_reaper_ends_orphans_and_keeps_the_status():
     assert "ended 2 process(es)" in done.stderr, done.stderr
     assert time.monotonic() - started < 20
     assert not [p for p in psutil.process_iter(["cmdline"]) if (p.info["cmdline"] or [None])[-1] in ("301", "302")]
+
+
+def test_reaper_gives_the_command_a_temporary_folder_and_removes_it():
+    """Third-party code (torch's inductor cache, torchrun's logs) writes into TMPDIR; nothing of it may stay."""
+    cmd = [sys.executable, "-m", "helpers.reap", "--", "sh", "-c",
+           'mkdir "$TMPDIR/torchinductor_x" && echo left > "$TMPDIR/torchinductor_x/file" && echo "$TMPDIR"']
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    private = done.stdout.strip()
+    assert os.path.basename(private).startswith("book-run-"), private
+    assert not os.path.exists(private), f"the reaper left {private}"
 
 
 def test_bad_world_size_is_refused():
