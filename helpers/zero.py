@@ -7,19 +7,27 @@ padded with zero rows, as FSDP2 pads), and keeps AdamW's state for those rows on
   reduce-scatters each one, so a rank receives the average of its own rows, updates them, and all-gathers the
   updated parameters;
 - ZeRO-2 (``stage=2``): the same, but each gradient is reduce-scattered from a hook the moment backward has
-  produced it, and the full gradient is freed at once;
+  produced it, added to the rank's gradient shard, and the full gradient is freed at once;
 - ZeRO-3 (:class:`Zero3`): the full parameters are not kept either. A block's parameters are all-gathered just
   before its forward and freed after it, gathered again just before its backward, and their gradients are
   reduce-scattered as they appear; the parameters outside the blocks (embeddings, final norm) are gathered
-  for the whole step, as FSDP's root module is.
+  for the whole step, as FSDP's root module is. Freeing resizes the parameter's storage to zero bytes and
+  gathering resizes it back and writes into it, as FSDP does: the transposed views of the weights that
+  autograd saves in forward share that storage, so they are freed with it and backward reads what was
+  gathered again.
 
-Every collective is booked in the chapter 02 ledger, and :class:`MemoryLog` records the bytes of parameters,
-gradients and optimizer state a rank holds at each of these moments.
+Every collective is booked in the chapter 02 ledger. :class:`LiveMemory` measures what a rank holds from the
+storages alive at each moment (parameters, gradients, optimizer state and every tensor autograd saved for
+backward), and :func:`collective_calls` records every ``torch.distributed`` collective called, with its
+buffer's size and group, whoever called it.
 """
 
 from __future__ import annotations
 
-import time
+import contextlib
+import inspect
+import weakref
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -62,29 +70,139 @@ def reduce_scatter_rows(full: torch.Tensor, group=None) -> torch.Tensor:
     return out.div_(world_size)
 
 
-def tensor_bytes(t: torch.Tensor | None) -> int:
-    return 0 if t is None else t.numel() * t.element_size()
+def accumulate(shard: torch.Tensor, reduced: torch.Tensor) -> None:
+    """Add a reduced gradient to the shard's: micro-batches of one step sum, as full gradients do."""
+    if shard.grad is None:
+        shard.grad = reduced
+    else:
+        shard.grad += reduced
 
 
-class MemoryLog:
-    """Bytes a rank holds, by kind, each time something is gathered, freed or reduced."""
-
-    def __init__(self):
-        self.events: list[tuple[float, str, dict]] = []
-
-    def snapshot(self, label: str, params, shards, optimizer, in_flight_bytes: int = 0) -> None:
-        held = {"parameters": sum(tensor_bytes(p.data) for p in params) + in_flight_bytes,
-                "gradients": sum(tensor_bytes(p.grad) for p in params) + sum(tensor_bytes(s.grad) for s in shards),
-                "optimizer states": sum(tensor_bytes(s) for s in shards) + optimizer_bytes(optimizer)}
-        self.events.append((time.perf_counter(), label, held))
-
-    def peak(self) -> dict:
-        return max((held for _, _, held in self.events), key=lambda h: sum(h.values()))
+# --------------------------------------------------------------------------------------------- measuring
 
 
-def optimizer_bytes(optimizer: torch.optim.Optimizer) -> int:
-    """Bytes of AdamW's moments (its scalar step counters left out, as in chapter 01)."""
-    return sum(tensor_bytes(v) for state in optimizer.state.values() for k, v in state.items() if k != "step")
+def storage_bytes(t: torch.Tensor | None) -> tuple[int, int]:
+    """``(address, bytes)`` of the storage under ``t``: views of one storage give the same pair."""
+    if t is None:
+        return 0, 0
+    s = t.untyped_storage()
+    return s.data_ptr(), s.nbytes()
+
+
+class LiveMemory:
+    """The bytes a rank really holds, read from the storages alive at each sample.
+
+    It looks at the model's parameters and their gradients, the optimizer's parameters (the shards) with
+    their gradients and state, and every tensor autograd saved for backward while :meth:`saving` was active
+    (a saved-tensor hook keeps a weak reference to each, so a saved tensor counts exactly as long as autograd
+    keeps it). A storage reached twice, such as a weight and the transposed view of it that ``F.linear``
+    saves, counts once. A saved tensor whose storage was a parameter's when it was saved counts as
+    parameters, wherever the parameter's data went since; every other saved tensor is an activation.
+    Temporaries inside a call (a collective's padded copy) are not alive at any sample and are not seen.
+    """
+
+    KINDS = ("parameters", "gradients", "optimizer states", "activations")
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer):
+        self.model, self.optimizer = model, optimizer
+        self.saved: list[tuple[weakref.ref, str]] = []
+        self.events: list[tuple[tuple, dict]] = []
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        params = {storage_bytes(p)[0] for p in self.model.parameters()}
+        self.saved.append((weakref.ref(t), "parameters" if storage_bytes(t)[0] in params else "activations"))
+        return t
+
+    def saving(self):
+        """A context for forward: autograd's saved tensors become visible to the samples."""
+        return torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+
+    def held(self) -> dict:
+        """Bytes of every distinct live storage, by kind."""
+        self.saved = [(ref, kind) for ref, kind in self.saved if ref() is not None]
+        reached = []
+        for p in self.model.parameters():
+            reached += [("parameters", p), ("gradients", p.grad)]
+        for group in self.optimizer.param_groups:
+            for shard in group["params"]:
+                reached += [("optimizer states", shard), ("gradients", shard.grad)]
+                reached += [("optimizer states", v) for v in self.optimizer.state.get(shard, {}).values()]
+        reached += [(kind, ref()) for ref, kind in self.saved]
+        seen, held = set(), dict.fromkeys(self.KINDS, 0)
+        for kind, t in reached:
+            address, nbytes = storage_bytes(t)
+            if nbytes and address not in seen:
+                seen.add(address)
+                held[kind] += nbytes
+        return held
+
+    def sample(self, *what) -> None:
+        """Record what is held now; ``what`` says when (``"gathered", "block 0"``)."""
+        self.events.append((what, self.held()))
+
+    def peak(self, kinds=("parameters", "gradients", "optimizer states")) -> tuple[tuple, dict]:
+        """The sample holding the most bytes of ``kinds`` (the model states, by default)."""
+        return max(self.events, key=lambda event: sum(event[1][k] for k in kinds))
+
+
+@dataclass(frozen=True)
+class Call:
+    """One ``torch.distributed`` collective as it was called."""
+
+    collective: str  # torch's name, aliases folded: all_gather_into_tensor -> all_gather_single
+    numel: int  # elements of the full buffer: an all-gather's output, a reduce-scatter's input
+    element_size: int
+    group_ranks: tuple[int, ...]
+
+
+_WATCHED = {  # torch.distributed name: (the name recorded, the argument holding the full buffer)
+    "all_reduce": ("all_reduce", "tensor"), "broadcast": ("broadcast", "tensor"), "reduce": ("reduce", "tensor"),
+    "all_gather_single": ("all_gather_single", "output_tensor"),
+    "all_gather_into_tensor": ("all_gather_single", "output_tensor"),
+    "reduce_scatter_single": ("reduce_scatter_single", "input"),
+    "reduce_scatter_tensor": ("reduce_scatter_single", "input"),
+    "all_gather": ("all_gather", "tensor_list"), "reduce_scatter": ("reduce_scatter", "input_list"),
+    "all_to_all_single": ("all_to_all_single", "input"), "all_to_all": ("all_to_all", "input_tensor_list"),
+    "scatter": ("scatter", "tensor"), "gather": ("gather", "tensor"),
+    "send": ("send", "tensor"), "recv": ("recv", "tensor"), "isend": ("isend", "tensor"),
+    "irecv": ("irecv", "tensor"),
+}
+
+
+@contextlib.contextmanager
+def collective_calls():
+    """Record every ``torch.distributed`` collective called inside the block, by anyone, as a :class:`Call`.
+
+    The functions of ``torch.distributed`` are wrapped for the duration, so the record comes from the calls
+    themselves, not from what the caller says it did.
+    """
+    calls: list[Call] = []
+    originals = {name: getattr(dist, name) for name in _WATCHED}
+
+    def watch(name, original):
+        recorded, argument = _WATCHED[name]
+        signature = inspect.signature(original)
+
+        def wrapper(*args, **kwargs):
+            bound = signature.bind(*args, **kwargs)
+            buffer = bound.arguments[argument]
+            tensors = buffer if isinstance(buffer, (list, tuple)) else [buffer]
+            group = bound.arguments.get("group") or dist.group.WORLD
+            calls.append(Call(recorded, sum(t.numel() for t in tensors), tensors[0].element_size(),
+                              tuple(dist.get_process_group_ranks(group))))
+            return original(*args, **kwargs)
+        return wrapper
+
+    for name, original in originals.items():
+        setattr(dist, name, watch(name, original))
+    try:
+        yield calls
+    finally:
+        for name, original in originals.items():
+            setattr(dist, name, original)
+
+
+# --------------------------------------------------------------------------------------------- ZeRO-1 and -2
 
 
 class ShardedAdamW:
@@ -100,59 +218,70 @@ class ShardedAdamW:
         self.stage, self.group = stage, group
         self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
         self.params = list(model.parameters())
+        self.names = {p: name for name, p in model.named_parameters()}
         self.shards = [torch.nn.Parameter(shard_of(p.detach(), self.rank, self.world_size)) for p in self.params]
         self.shard_of_param = dict(zip(self.params, self.shards))
         self.optimizer = torch.optim.AdamW(self.shards, **adamw)
-        self.memory = MemoryLog()
+        self.memory = LiveMemory(model, self.optimizer)
         if stage == 2:
             for p in self.params:
                 p.register_post_accumulate_grad_hook(self._reduce_now)
 
     def _reduce_now(self, p: torch.nn.Parameter) -> None:
         """ZeRO-2: keep only this rank's rows of the gradient, from the moment backward produces it."""
-        self.shard_of_param[p].grad = reduce_scatter_rows(p.grad, self.group)
-        self.memory.snapshot("gradient reduced", self.params, self.shards, self.optimizer)  # both still held
+        accumulate(self.shard_of_param[p], reduce_scatter_rows(p.grad, self.group))
+        self.memory.sample("reduced", self.names[p])  # the full gradient and its shard both still held
         p.grad = None
 
     def step(self) -> None:
         if self.stage == 1:
             for p, shard in zip(self.params, self.shards):
-                shard.grad = reduce_scatter_rows(p.grad, self.group)
-        self.memory.snapshot("before the update", self.params, self.shards, self.optimizer)
+                shard.grad = reduce_scatter_rows(p.grad, self.group)  # p.grad already sums the micro-batches
+        self.memory.sample("before the update")
         self.optimizer.step()
         for p, shard in zip(self.params, self.shards):
             p.data.copy_(all_gather_rows(shard.detach(), p.shape[0], self.group))
-        self.memory.snapshot("after the update", self.params, self.shards, self.optimizer)
+        self.memory.sample("after the update")
 
     def zero_grad(self) -> None:
         for p in self.params + self.shards:
             p.grad = None
 
 
+# --------------------------------------------------------------------------------------------- ZeRO-3
+
+
 class Zero3:
     """ZeRO-3: parameters, gradients and optimizer states all sharded; blocks gathered only while in use.
 
-    ``reshard_after_forward=False`` keeps each block's gathered parameters from its forward to its backward
-    (FSDP's switch between ZeRO-3 and ZeRO-2 behaviour for parameters): one all-gather fewer per block, at the
-    cost of holding every block's full parameters at the peak. ``prefetch=True`` issues the all-gather of the
-    next block (the previous one, in backward) asynchronously as soon as a block is gathered, so that it can
-    travel while the block computes; it costs one more block's parameters at the peak.
+    Each parameter keeps one storage for its full rows (padded to ``N·k``), which is zero bytes while the
+    parameter is sharded. ``reshard_after_forward=False`` keeps each block's gathered parameters from its
+    forward to its backward (FSDP's switch between ZeRO-3 and ZeRO-2 behaviour for parameters): one all-gather
+    fewer per block, at the cost of holding every block's full parameters at the peak. ``prefetch=True``
+    issues the all-gather of the next block (the previous one, in backward) asynchronously as soon as a block
+    is gathered, so that it can travel while the block computes; it costs one more block's parameters at the
+    peak.
     """
 
     def __init__(self, model: torch.nn.Module, units: list[torch.nn.Module], group=None,
                  reshard_after_forward: bool = True, prefetch: bool = False, **adamw):
         self.group, self.reshard_after_forward, self.prefetch = group, reshard_after_forward, prefetch
-        self.in_flight: dict[int, list] = {}  # unit: [(parameter, buffer, work)] of an all-gather under way
+        self.in_flight: dict[int, list] = {}  # unit: the works of an all-gather under way
         self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
-        self.memory = MemoryLog()
         self.params = list(model.parameters())
+        self.names = {p: name for name, p in model.named_parameters()}
         in_units = {p for unit in units for p in unit.parameters()}
         self.units = [list(unit.parameters()) for unit in units]
         self.units.insert(0, [p for p in self.params if p not in in_units])  # the root: embeddings, final norm
         self.rows = {p: p.shape[0] for p in self.params}
-        self.shapes = {p: p.shape for p in self.params}
         self.shards = {p: torch.nn.Parameter(shard_of(p.detach(), self.rank, self.world_size)) for p in self.params}
+        self.unsharded = {}  # parameter: its padded full rows, a tensor over the parameter's own storage
+        for p in self.params:
+            full = p.detach().new_zeros((self.shards[p].shape[0] * self.world_size, *p.shape[1:]))
+            p.data = full[:p.shape[0]]
+            self.unsharded[p] = full
         self.optimizer = torch.optim.AdamW(list(self.shards.values()), **adamw)
+        self.memory = LiveMemory(model, self.optimizer)
         self.unit_names = ["root"] + [f"block {i}" for i in range(len(units))]
         self.unit_of = {p: i for i, unit in enumerate(self.units) for p in unit}
         self.waiting = [0] * len(self.units)
@@ -167,44 +296,43 @@ class Zero3:
         for p in self.params:
             p.register_post_accumulate_grad_hook(self._reduce_now)
 
-    def _snapshot(self, label: str) -> None:
-        self.memory.snapshot(label, self.params, list(self.shards.values()), self.optimizer,
-                             sum(tensor_bytes(out) for pending in self.in_flight.values() for _, out, _ in pending))
-
     def _gathered(self, i: int) -> bool:
-        return all(p.data.numel() for p in self.units[i])
+        return all(p.untyped_storage().nbytes() for p in self.units[i])
+
+    def _start_gather(self, i: int, async_op: bool) -> list:
+        """Give unit ``i``'s parameters their storage back and all-gather the shards straight into it."""
+        works = []
+        for p in self.units[i]:
+            full = self.unsharded[p]
+            p.untyped_storage().resize_(full.numel() * full.element_size())
+            LEDGER.record("all_gather", full, self.group)
+            works.append(dist.all_gather_single(full, self.shards[p].detach(), group=self.group, async_op=async_op))
+        return works
 
     def _gather(self, i: int, then: int | None = None) -> None:
         """Make unit ``i``'s full parameters available; with prefetching, start gathering unit ``then``."""
         if i in self.in_flight:  # prefetched: wait for it
-            for p, out, work in self.in_flight.pop(i):
+            for work in self.in_flight.pop(i):
                 work.wait()
-                p.data = out[:self.rows[p]].view(self.shapes[p])
         elif not self._gathered(i):
-            for p in self.units[i]:
-                p.data = all_gather_rows(self.shards[p].detach(), self.rows[p], self.group).view(self.shapes[p])
+            self._start_gather(i, async_op=False)
         else:
             return  # still gathered
         self.waiting[i] = len(self.units[i])
-        self._snapshot(f"{self.unit_names[i]} gathered")
-        if self.prefetch and then is not None and not self._gathered(then) and then not in self.in_flight:
-            pending = []
-            for p in self.units[then]:
-                shard = self.shards[p].detach()
-                out = shard.new_empty((shard.shape[0] * self.world_size, *shard.shape[1:]))
-                LEDGER.record("all_gather", out, self.group)
-                pending.append((p, out, dist.all_gather_single(out, shard, group=self.group, async_op=True)))
-            self.in_flight[then] = pending
-            self._snapshot(f"{self.unit_names[then]} prefetch issued")
+        self.memory.sample("gathered", self.unit_names[i])
+        if self.prefetch and then is not None and not self._gathered(then):
+            self.in_flight[then] = self._start_gather(then, async_op=True)
+            self.memory.sample("prefetch issued", self.unit_names[then])
 
     def _free(self, i: int) -> None:
+        """Unit ``i``'s full parameters go: their storage (and with it every view autograd saved) to 0 bytes."""
         for p in self.units[i]:
-            p.data = torch.empty(0, dtype=p.dtype, device=p.device)
-        self._snapshot(f"{self.unit_names[i]} freed")
+            p.untyped_storage().resize_(0)
+        self.memory.sample("freed", self.unit_names[i])
 
     def _reduce_now(self, p: torch.nn.Parameter) -> None:
-        self.shards[p].grad = reduce_scatter_rows(p.grad, self.group)
-        self._snapshot("gradient reduced")  # the full gradient and its shard both still held
+        accumulate(self.shards[p], reduce_scatter_rows(p.grad, self.group))
+        self.memory.sample("reduced", self.names[p])  # the full gradient and its shard both still held
         p.grad = None
         i = self.unit_of[p]
         self.waiting[i] -= 1
@@ -212,9 +340,9 @@ class Zero3:
             self._free(i)
 
     def step(self) -> None:
-        self._snapshot("before the update")
+        self.memory.sample("before the update")
         self.optimizer.step()
-        self._snapshot("after the update")
+        self.memory.sample("after the update")
 
     def zero_grad(self) -> None:
         for shard in self.shards.values():
@@ -222,5 +350,5 @@ class Zero3:
 
     def full_parameters(self) -> dict[torch.nn.Parameter, torch.Tensor]:
         """Every parameter gathered (for checking; a collective, so every rank must call it)."""
-        return {p: all_gather_rows(self.shards[p].detach(), self.rows[p], self.group).view(self.shapes[p])
+        return {p: all_gather_rows(self.shards[p].detach(), self.rows[p], self.group).view(p.shape)
                 for p in self.params}
