@@ -13,27 +13,34 @@ there are two ways to bring them together:
   computes whole attention for its heads over the whole sequence, and a second all-to-all turns the output
   back. The head count bounds its degree.
 
-Under causal masking the contiguous layout gives the last rank ``2cp - 1`` times the first's work;
+Under causal masking the contiguous layout gives the last rank about ``2cp - 1`` times the first's work;
 :class:`CPLayout` also provides the zig-zag layout (each rank holds one chunk from the front and the mirrored one
-from the back) that evens it out. :func:`cp_gpt_forward` runs the book's GPT on one rank's tokens with either
-attention plugged in. Ring messages go through :meth:`helpers.ledger.Ledger.exchange`; the all-to-alls are
-booked with :meth:`~helpers.ledger.Ledger.record`; :data:`WORK` counts the (query, key) pairs each rank scores.
+from the back) that evens it out, provided each ring step computes only the half-blocks :func:`score_blocks`
+names: a block computed whole and then masked costs as much as an unmasked one. Each ring step posts the next
+block's transfer before it computes and waits after (:class:`RingTransfer`); :data:`EVENTS` records the order.
+:func:`cp_gpt_forward` runs the book's GPT on one rank's tokens with either attention plugged in.
+
+Ring messages are *counted* in chapter 02's ledger, one :class:`~helpers.ledger.Message` per tensor sent or
+received. The all-to-alls are torch collectives, *booked* with :meth:`~helpers.ledger.Ledger.record` (the
+formula's bytes for the buffer passed); :class:`TorchCollectives` sees which torch collectives really ran, on
+which group, with which sizes.
 """
 
 from __future__ import annotations
 
+import contextlib
+import time
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
-from .ledger import LEDGER
+from .ledger import LEDGER, Message
 from .model import cross_entropy
 
 HEAD_DIM, SEQ_DIM = 1, 2  # q, k, v are (batch, heads, sequence, head_dim), as F.scaled_dot_product_attention
-WORK: list[int] = []
-"""(query, key) position pairs scored by this rank's ring attention, one entry per block it computed."""
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -151,53 +158,109 @@ def block_attention_backward(dout, delta, q, k, v, lse, q_pos, k_pos, causal: bo
 # ---------------------------------------------------------------------------------------------------------
 
 
-def ring_pass(t: torch.Tensor, group=None) -> torch.Tensor:
-    """Send ``t`` to the right neighbour, receive the left neighbour's: one step of the ring."""
-    rank, world_size = dist.get_rank(group), dist.get_world_size(group)
-    received = torch.empty_like(t)
-    LEDGER.exchange(t.contiguous(), (rank + 1) % world_size, received, (rank - 1) % world_size, group=group)
-    return received
+def score_blocks(layout: CPLayout, rank: int, owner: int, causal: bool):
+    """The parts of ``rank``'s queries × ``owner``'s keys that ring attention computes: (query rows, key columns).
+
+    Without a mask, the whole block. With the causal mask, every part that holds a key some query sees, in halves
+    of the local block, as Transformer Engine, Megatron-LM and ring-flash-attn split the zig-zag ring; a part
+    entirely in its queries' future is skipped, not computed and masked.
+    """
+    n = len(layout.positions(rank))
+    whole, first, second = slice(0, n), slice(0, n // 2), slice(n // 2, n)
+    if not causal:
+        return [(whole, whole)]
+    if owner == rank:  # the diagonal: the first half of the queries sees none of the second half of the keys
+        return [(first, first), (second, whole)]
+    if layout.kind == "contiguous":  # an earlier rank's keys are all in the past, a later rank's all in the future
+        return [(whole, whole)] if owner < rank else []
+    # zig-zag: an earlier rank's early chunk is in the past of both my chunks and its late chunk in their future;
+    # a later rank's whole block is in the future of my early chunk and in the past of my late one
+    return [(whole, first)] if owner < rank else [(second, whole)]
 
 
-def _blocks(layout: CPLayout, rank: int, causal: bool):
-    """For each ring step: the owner of the key block this rank holds, its positions, and the pairs to score."""
-    q_pos = layout.positions(rank)
-    for step in range(layout.cp):
-        owner = (rank - step) % layout.cp
-        k_pos = layout.positions(owner)
-        pairs = int((k_pos[None, :] <= q_pos[:, None]).sum()) if causal else len(q_pos) * len(k_pos)
-        yield step, q_pos, k_pos, pairs
+EVENTS: list[tuple[str, int, str, float]] = []
+"""This rank's ring, in order: ``(what, step, event, time.perf_counter())``; ``what`` is a transfer ("forward K/V",
+"backward K/V", "backward dK/dV") with events "posted" and "arrived", or a pass ("forward", "backward") with
+events "compute" and "computed"."""
+
+
+@contextlib.contextmanager
+def _computing(what: str, step: int):
+    EVENTS.append((what, step, "compute", time.perf_counter()))
+    yield
+    EVENTS.append((what, step, "computed", time.perf_counter()))
+
+
+class RingTransfer:
+    """One ring step in flight: ``t`` sent to the right neighbour, the left neighbour's block received.
+
+    Both messages are posted at once (``batch_isend_irecv``, so no rank waits for another to post) and counted in
+    chapter 02's ledger; :meth:`wait` returns the received block. Posting the next block's transfer before
+    computing the current one, and waiting after, is the double buffering that lets the transfer run while the
+    rank computes (Liu et al. 2023).
+    """
+
+    def __init__(self, t: torch.Tensor, what: str, step: int, group=None, tag: int = 0):
+        rank, world_size = dist.get_rank(group), dist.get_world_size(group)
+        self.right, self.left = (rank + 1) % world_size, (rank - 1) % world_size
+        self.sent, self.received = t.contiguous(), torch.empty_like(t)
+        self.what, self.step = what, step
+        ops = [dist.P2POp(dist.isend, self.sent, _global(self.right, group), group=group, tag=tag),
+               dist.P2POp(dist.irecv, self.received, _global(self.left, group), group=group, tag=tag)]
+        self.works = dist.batch_isend_irecv(ops)
+        nbytes = self.sent.numel() * self.sent.element_size()
+        LEDGER.messages += [Message("ring attention", what, step, "send", self.right, nbytes),
+                            Message("ring attention", what, step, "recv", self.left, nbytes)]
+        EVENTS.append((what, step, "posted", time.perf_counter()))
+
+    def wait(self) -> torch.Tensor:
+        try:
+            for work in self.works:
+                work.wait()
+        except RuntimeError as err:
+            raise RuntimeError(f"{self.what}, step {self.step}: the transfer (send to {self.right}, receive from "
+                               f"{self.left}) did not complete: {err}") from None
+        EVENTS.append((self.what, self.step, "arrived", time.perf_counter()))
+        return self.received
+
+
+def _global(rank: int, group) -> int:
+    return rank if group is None else dist.get_global_rank(group, rank)
 
 
 class _RingAttention(torch.autograd.Function):
-    """Ring attention (Liu et al. 2023), forward and backward by hand.
+    """Ring attention (Liu et al. 2023), forward and backward by hand, each transfer overlapped with a block.
 
-    Forward: ``cp`` steps; at each, score this rank's queries against the K/V block it holds, merge with the
-    online-softmax rule, and pass the block to the right. Only ``q``, the local ``k``, ``v``, the output and its
-    log-sum-exp are saved: the blocks that went by are not kept.
+    Forward: ``cp`` steps; at each, post the transfer of the K/V block this rank holds to the right, score its
+    queries against that block (only the parts :func:`score_blocks` names), merge with the online-softmax rule,
+    then wait for the left neighbour's block. Only ``q``, the local ``k``, ``v``, the output and its log-sum-exp
+    are saved: the blocks that went by are not kept.
 
-    Backward: the K/V blocks go round again. At step ``j`` a rank computes the gradient of the block it holds
-    (that of rank ``r-j``); the accumulated gradient of that block arrives from the left with it, gets this
-    rank's term, and moves right, so after ``cp-1`` passes it lands on its owner, who adds its own term. Per
-    rank: ``cp-1`` K/V messages forward, ``cp-1`` K/V and ``cp-1`` dK/dV messages backward.
+    Backward: the K/V blocks go round again, posted as in forward. At step ``j`` a rank computes its term of the
+    gradient of the block it holds (that of rank ``r-j``); the block's gradient so far arrives from the left, gets
+    this term, and moves right while the next block is computed, so after ``cp-1`` passes it lands on its owner,
+    who adds its own. Per rank: ``cp-1`` K/V messages forward, ``cp-1`` K/V and ``cp-1`` dK/dV messages backward.
     """
 
     @staticmethod
     def forward(ctx, q, k, v, layout, causal, group):
-        rank = dist.get_rank(group)
+        rank, world_size = dist.get_rank(group), dist.get_world_size(group)
         group_size = q.shape[HEAD_DIM] // k.shape[HEAD_DIM]
+        q_pos = layout.positions(rank)
         out = torch.zeros_like(q)
         lse = torch.full(q.shape[:-1], float("-inf"), dtype=q.dtype)
         kv = torch.stack([k, v])  # one message per step
-        with LEDGER.collective("ring attention"):
-            for step, q_pos, k_pos, pairs in _blocks(layout, rank, causal):
-                if step:
-                    kv = ring_pass(kv, group)
-                if pairs:  # a block entirely in this rank's future is skipped
-                    WORK.append(pairs)
-                    block = block_attention(q, _expand(kv[0], group_size), _expand(kv[1], group_size), q_pos,
-                                            k_pos, causal)
-                    out, lse = merge(out, lse, *block)
+        for step in range(world_size):
+            owner = (rank - step) % world_size
+            incoming = RingTransfer(kv, "forward K/V", step, group) if step + 1 < world_size else None
+            k_pos = layout.positions(owner)
+            with _computing("forward", step):
+                for rows, cols in score_blocks(layout, rank, owner, causal):
+                    keys, values = (_expand(t, group_size) for t in kv[..., cols, :])
+                    block = block_attention(q[..., rows, :], keys, values, q_pos[rows], k_pos[cols], causal)
+                    out[..., rows, :], lse[..., rows] = merge(out[..., rows, :], lse[..., rows], *block)
+            if incoming is not None:
+                kv = incoming.wait()
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.layout, ctx.causal, ctx.group = layout, causal, group
         return out
@@ -205,28 +268,35 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        rank = dist.get_rank(ctx.group)
+        layout, causal, group = ctx.layout, ctx.causal, ctx.group
+        rank, world_size = dist.get_rank(group), dist.get_world_size(group)
         group_size = q.shape[HEAD_DIM] // k.shape[HEAD_DIM]
+        q_pos = layout.positions(rank)
         delta = (dout * out).sum(-1)
         dq = torch.zeros_like(q)
         kv = torch.stack([k, v])
         own = travelling = None
-        with LEDGER.collective("ring attention"):
-            for step, q_pos, k_pos, pairs in _blocks(ctx.layout, rank, ctx.causal):
-                if step:
-                    kv = ring_pass(kv, ctx.group)
-                dkv = torch.zeros_like(kv)
-                if pairs:
-                    dq_block, dk, dv = block_attention_backward(dout, delta, q, _expand(kv[0], group_size),
-                                                                _expand(kv[1], group_size), lse, q_pos, k_pos,
-                                                                ctx.causal)
-                    dq += dq_block
-                    dkv = torch.stack([_fold(dk, group_size), _fold(dv, group_size)])
-                if step == 0:
-                    own = dkv  # this rank's term of its own block's gradient: it stays here
-                else:  # the block's gradient so far, plus this rank's term, moves on towards the owner
-                    travelling = ring_pass(dkv if step == 1 else travelling + dkv, ctx.group)
-        dkv = own if travelling is None else own + travelling
+        for step in range(world_size):
+            owner = (rank - step) % world_size
+            incoming = RingTransfer(kv, "backward K/V", step, group) if step + 1 < world_size else None
+            k_pos = layout.positions(owner)
+            dkv = torch.zeros_like(kv)
+            with _computing("backward", step):
+                for rows, cols in score_blocks(layout, rank, owner, causal):
+                    keys, values = (_expand(t, group_size) for t in kv[..., cols, :])
+                    dq_part, dk, dv = block_attention_backward(dout[..., rows, :], delta[..., rows], q[..., rows, :],
+                                                               keys, values, lse[..., rows], q_pos[rows],
+                                                               k_pos[cols], causal)
+                    dq[..., rows, :] += dq_part
+                    dkv[..., cols, :] += torch.stack([_fold(dk, group_size), _fold(dv, group_size)])
+            if step == 0:
+                own = dkv  # this rank's term of its own block's gradient: it stays here
+            else:  # the block's gradient so far arrived from the left; with this rank's term it moves on, tag 1
+                so_far = travelling.wait() if travelling is not None else 0
+                travelling = RingTransfer(so_far + dkv, "backward dK/dV", step, group, tag=1)
+            if incoming is not None:
+                kv = incoming.wait()
+        dkv = own if travelling is None else own + travelling.wait()
         return dq, dkv[0], dkv[1], None, None, None
 
 
@@ -294,6 +364,31 @@ def ulysses_attention(q, k, v, layout: CPLayout, causal: bool = True, group=None
     else:
         out = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
     return _AllToAll.apply(out, SEQ_DIM, HEAD_DIM, group)
+
+
+class TorchCollectives(TorchDispatchMode):
+    """Every ``torch.distributed`` operation run inside the ``with`` block, as PyTorch's dispatcher sees it.
+
+    A booking in the ledger says what the book's code meant to call; this sees what ran, however it was called
+    (``dist.all_to_all_single``, an imported name, a library). ``calls`` holds one ``(operation, group ranks,
+    elements of each tensor argument, element size)`` per call, in order: ``("alltoall_base_", (0, 1, 2, 3),
+    (4096, 4096), 8)`` is an ``all_to_all_single`` of 4,096 fp64 numbers over four ranks.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.calls: list[tuple[str, tuple[int, ...], tuple[int, ...], int]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "c10d":
+            flat = [a for arg in args for a in (arg if isinstance(arg, (list, tuple)) else [arg])]
+            tensors = [a for a in flat if isinstance(a, torch.Tensor)]
+            groups = [dist.ProcessGroup.unbox(a) for a in flat
+                      if isinstance(a, torch.ScriptObject) and a._type().qualified_name().endswith("ProcessGroup")]
+            ranks = tuple(dist.get_process_group_ranks(groups[0])) if groups else ()
+            self.calls.append((func.overloadpacket.__name__, ranks, tuple(t.numel() for t in tensors),
+                               tensors[0].element_size() if tensors else 0))
+        return func(*args, **(kwargs or {}))
 
 
 # ---------------------------------------------------------------------------------------------------------
