@@ -10,7 +10,14 @@ each a step towards PyTorch's ``DistributedDataParallel`` (Li et al. 2020):
   is accumulated, so communication runs while backward computes the remaining gradients;
 - :meth:`OverlappedDDP.no_sync`: gradient accumulation, communicating only on the last micro-step.
 
-Every collective is booked in the chapter 02 ledger (:data:`helpers.ledger.LEDGER`).
+Every ``torch.distributed.all_reduce`` is *booked* in the chapter 02 ledger (:data:`helpers.ledger.LEDGER`):
+the booking proves the group and the buffer it was given, not the bytes that moved. Given the book's own ring
+all-reduce (``OverlappedDDP(..., all_reduce=ring_all_reduce)``), every message is *counted* instead.
+
+:class:`CommunicationWatch` and :func:`check_communication` check the communication pattern from outside the
+code under test: the watch's own gradient hooks and a wrapper around ``torch.distributed.all_reduce`` record,
+in order, when each gradient was ready and when each all-reduce was called, and the check asks for buckets
+within the cap that start before backward's last gradient. Only the order of events is used, never a time.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from .checks import check_equal
 from .ledger import LEDGER
 
 
@@ -84,10 +92,14 @@ class OverlappedDDP:
     (before the sum, as PyTorch's default hook does) and all-reduced asynchronously; :meth:`finish` waits for
     every bucket and copies the averages back. ``events`` records, per rank, when each gradient became ready
     and when each bucket was launched and completed, for the timeline.
+
+    ``all_reduce`` replaces ``torch.distributed.all_reduce`` with a function ``all_reduce(tensor, group=...)``
+    that returns the sum, such as the book's ``ring_all_reduce`` (chapter 02): it runs to completion inside
+    the hook, and the ledger counts each of its messages.
     """
 
-    def __init__(self, model: torch.nn.Module, cap_bytes: int, group=None):
-        self.model, self.group = model, group
+    def __init__(self, model: torch.nn.Module, cap_bytes: int, group=None, all_reduce=None):
+        self.model, self.group, self.all_reduce = model, group, all_reduce
         self.world_size = dist.get_world_size(group)
         self.buckets = build_buckets(list(model.parameters()), cap_bytes)
         self.bucket_of = {p: i for i, bucket in enumerate(self.buckets) for p in bucket}
@@ -98,7 +110,7 @@ class OverlappedDDP:
 
     def _reset(self) -> None:
         self.waiting = [len(bucket) for bucket in self.buckets]
-        self.in_flight: list[tuple[int, torch.Tensor, dist.Work, torch.futures.Future]] = []
+        self.in_flight: list[tuple[int, torch.Tensor, dist.Work | None, torch.futures.Future]] = []
 
     def _grad_ready(self, p: torch.nn.Parameter) -> None:
         i = self.bucket_of[p]
@@ -112,10 +124,16 @@ class OverlappedDDP:
     def _launch(self, i: int) -> None:
         flat = _flatten([p.grad for p in self.buckets[i]])
         flat /= self.world_size
-        LEDGER.record("all_reduce", flat, self.group)
         self.events.append((time.perf_counter(), "launch", i))
-        work = dist.all_reduce(flat, group=self.group, async_op=True)
-        stamped = work.get_future().then(lambda _: self.events.append((time.perf_counter(), "done", i)))
+        if self.all_reduce is None:
+            LEDGER.record("all_reduce", flat, self.group)
+            work = dist.all_reduce(flat, group=self.group, async_op=True)
+            future = work.get_future()
+        else:  # synchronous: it returns the sum, every message counted by the ledger on the way
+            work, future = None, torch.futures.Future()
+            flat.copy_(self.all_reduce(flat, group=self.group))
+            future.set_result(None)
+        stamped = future.then(lambda _: self.events.append((time.perf_counter(), "done", i)))
         self.in_flight.append((i, flat, work, stamped))
 
     def finish(self) -> None:
@@ -124,7 +142,8 @@ class OverlappedDDP:
             missing = [i for i, n in enumerate(self.waiting) if n]
             raise RuntimeError(f"buckets {missing} never became ready: a parameter got no gradient")
         for i, flat, work, stamped in self.in_flight:
-            work.wait()
+            if work is not None:
+                work.wait()
             stamped.wait()  # the completion time is recorded too
             _unflatten_into(flat, self.buckets[i])
         self._reset()
@@ -141,3 +160,70 @@ class OverlappedDDP:
     def remove(self) -> None:
         for hook in self._hooks:
             hook.remove()
+
+
+class CommunicationWatch:
+    """The order of events in a data-parallel step, recorded from outside the code under test.
+
+    Create it on the model *before* the DDP under test: hooks on one tensor run in the order they were
+    registered, so on every parameter the watch hears of the gradient before the DDP does. Inside
+    ``with watch:``, ``torch.distributed.all_reduce`` is wrapped too. ``events`` then lists, in the order they
+    happened on this rank, ``("grad", name, nbytes)`` when a parameter's gradient was accumulated and
+    ``("all_reduce", numel, nbytes)`` when an all-reduce was called on a buffer. The hooks go at the end of
+    the ``with`` block.
+    """
+
+    def __init__(self, model: torch.nn.Module):
+        self.events: list[tuple[str, object, int]] = []
+        self.param_bytes = {n: p.numel() * p.element_size() for n, p in model.named_parameters()}
+        self._hooks = [p.register_post_accumulate_grad_hook(self._grad(n)) for n, p in model.named_parameters()]
+        self._all_reduce = None
+
+    def _grad(self, name: str):
+        return lambda p: self.events.append(("grad", name, p.numel() * p.element_size()))
+
+    def __enter__(self):
+        original = self._all_reduce = dist.all_reduce
+
+        def all_reduce(tensor, *args, **kwargs):
+            self.events.append(("all_reduce", tensor.numel(), tensor.numel() * tensor.element_size()))
+            return original(tensor, *args, **kwargs)
+
+        dist.all_reduce = all_reduce
+        return self
+
+    def __exit__(self, *exc) -> None:
+        dist.all_reduce = self._all_reduce
+        for hook in self._hooks:
+            hook.remove()
+
+    def all_reduce_bytes(self) -> list[int]:
+        """The bytes of each all-reduce's buffer, in call order."""
+        return [nbytes for kind, _, nbytes in self.events if kind == "all_reduce"]
+
+    def launched_before_last_gradient(self) -> int:
+        """How many all-reduces were called before the last gradient of backward was ready."""
+        last = max((i for i, (kind, _, _) in enumerate(self.events) if kind == "grad"), default=-1)
+        return sum(1 for kind, _, _ in self.events[:last] if kind == "all_reduce")
+
+
+def check_communication(label: str, watch: CommunicationWatch, cap_bytes: int) -> None:
+    """Bucketed, overlapped data parallelism, judged by the order of what ``watch`` saw on this rank.
+
+    - the all-reduced buffers add up to the gradients' bytes: every gradient is sent once;
+    - no buffer is over ``cap_bytes``, unless it is one parameter larger than the cap (it must go alone);
+    - the buckets are full: no two consecutive all-reduces would have fitted under the cap together;
+    - every all-reduce but the last is called before backward's last gradient: the last bucket to fill can
+      only start once that gradient exists, every other one while backward is still running.
+    """
+    sizes = watch.all_reduce_bytes()
+    lone = {n for n in watch.param_bytes.values() if n > cap_bytes}
+    check_equal(f"{label}: bytes all-reduced = gradient bytes (each gradient once)", sum(sizes),
+                sum(watch.param_bytes.values()), quiet=True)
+    check_equal(f"{label}: buckets over the {cap_bytes:,}-byte cap", [f"{n:,} bytes" for n in sizes
+                                                                     if n > cap_bytes and n not in lone], [],
+                quiet=True)
+    check_equal(f"{label}: consecutive buckets that would fit under the cap as one",
+                [f"{a:,} + {b:,} bytes" for a, b in zip(sizes, sizes[1:]) if a + b <= cap_bytes], [], quiet=True)
+    check_equal(f"{label}: all-reduces called before backward's last gradient, of {len(sizes)}",
+                watch.launched_before_last_gradient(), max(0, len(sizes) - 1), quiet=True)

@@ -1,8 +1,20 @@
-"""Buckets: every parameter once, in reverse order, within the cap (the distributed parts run in chapter 03)."""
+"""Data parallelism (chapter 03): buckets in this process; every version of DDP on two ranks against one process.
 
+The distributed tests run each version on two ranks (each takes half of the global batch) and compare the
+averaged gradients with one backward pass here over the whole batch, within fp32 rounding (rtol 1e-6 of each
+tensor's largest entry). Gradient accumulation runs three micro-batches per rank under ``no_sync``.
+"""
+
+import ipyparallel as ipp
+import pytest
 import torch
 
 from helpers.ddp import build_buckets
+from helpers.model import GPT, GPTConfig
+
+CFG = GPTConfig(vocab_size=16, seq_len=8, n_layers=2, d_model=32, n_heads=4, n_kv_heads=2, d_ff=64)
+CAP_BYTES = 9000  # a few parameters per bucket; the 8 KiB MLP matrices fit, two of them do not
+GLOBAL_BATCH = 6  # 3 rows per rank: three micro-batches of one row for the accumulation test
 
 
 def test_buckets_cover_every_parameter_once_in_reverse_order_within_the_cap():
@@ -12,3 +24,149 @@ def test_buckets_cover_every_parameter_once_in_reverse_order_within_the_cap():
     flat = [p for b in buckets for p in b]
     assert flat == list(reversed(params))
     assert all(sum(p.numel() * 4 for p in b) <= 400 for b in buckets if len(b) > 1)
+
+
+def _batch():
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randint(0, CFG.vocab_size, (GLOBAL_BATCH, CFG.seq_len), generator=gen)
+    y = torch.randint(0, CFG.vocab_size, (GLOBAL_BATCH, CFG.seq_len), generator=gen)
+    return x, y
+
+
+@pytest.fixture(scope="module")
+def reference():
+    model = GPT(CFG, seed=0)
+    x, y = _batch()
+    model(x, y)[1].backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def _assert_close(got: dict, want: dict, rtol=1e-6):
+    assert sorted(got) == sorted(want)
+    for name in want:
+        scale = want[name].abs().max().item()
+        assert (got[name] - want[name]).abs().max().item() <= rtol * scale, name
+
+
+@ipp.interactive  # sent by value: the engines cannot import this test module
+def _data_parallel_step(cfg, x, y, version, cap_bytes, micro_batches=1):
+    import contextlib
+
+    import torch
+    import torch.distributed as dist
+
+    from helpers import collectives, ddp
+    from helpers.data import rank_rows
+    from helpers.ledger import LEDGER, expected_bytes
+    from helpers.model import GPT
+
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    xs, ys = rank_rows(x, rank, world_size), rank_rows(y, rank, world_size)
+    model = GPT(cfg, seed=0)
+    LEDGER.clear()
+    found = {}
+    if version == "torch":
+        from torch.nn.parallel import DistributedDataParallel
+
+        wrapped = DistributedDataParallel(model, bucket_cap_mb=cap_bytes / 2**20)
+        wrapped(xs, ys)[1].backward()
+    elif version == "per parameter":
+        model(xs, ys)[1].backward()
+        ddp.average_gradients(model)
+    elif version == "bucketed":
+        model(xs, ys)[1].backward()
+        buckets = ddp.build_buckets(list(model.parameters()), cap_bytes)
+        ddp.bucketed_average(buckets)
+        found["bucket_numels"] = [sum(p.numel() for p in b) for b in buckets]
+    else:
+        watch = ddp.CommunicationWatch(model)
+        ring = collectives.ring_all_reduce if version == "overlapped, ring" else None
+        trainer = ddp.OverlappedDDP(model, cap_bytes, all_reduce=ring)
+        found["bucket_numels"] = [sum(p.numel() for p in b) for b in trainer.buckets]
+        with watch:
+            micro = list(zip(xs.chunk(micro_batches), ys.chunk(micro_batches)))
+            for i, (xm, ym) in enumerate(micro):
+                last = i == len(micro) - 1
+                with contextlib.nullcontext() if last else trainer.no_sync():
+                    (model(xm, ym)[1] / len(micro)).backward()
+                if i == 0 and not last:
+                    found["messages after the first micro-batch"] = len(LEDGER.messages)
+            trainer.finish()
+        if ring is None:
+            ddp.check_communication("pattern", watch, cap_bytes)
+        found["counted"] = LEDGER.totals("ring_all_reduce", counted=True)
+        found["formula"] = [sum(expected_bytes("ring_all_reduce", n, world_size, rank)[k]
+                                for n in found["bucket_numels"]) for k in (0, 1)]
+    found["booked"] = [(m.collective, m.numel, m.dtype, m.group_ranks) for m in LEDGER.booked()]
+    found["grads"] = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+    return found
+
+
+@pytest.mark.parametrize("version", ["per parameter", "bucketed", "overlapped", "torch"])
+def test_two_ranks_average_to_the_single_process_gradient(ranks, reference, version):
+    x, y = _batch()
+    results = ranks.apply(_data_parallel_step, CFG, x, y, version, CAP_BYTES)
+    for found in results:
+        _assert_close(found["grads"], reference)
+    if version == "torch":
+        return
+    # the bookings prove which buffers went to torch.distributed.all_reduce, and on which group
+    numels = results[0].get("bucket_numels", [p.numel() for p in GPT(CFG, seed=0).parameters()])
+    for found in results:
+        assert [b[1] for b in found["booked"]] == numels
+        assert {(b[0], b[2], b[3]) for b in found["booked"]} == {("all_reduce", "torch.float32", (0, 1))}
+
+
+def test_accumulating_three_micro_batches_communicates_once_and_matches(ranks, reference):
+    x, y = _batch()
+    results = ranks.apply(_data_parallel_step, CFG, x, y, "overlapped", CAP_BYTES, 3)
+    for found in results:
+        _assert_close(found["grads"], reference)
+        assert found["messages after the first micro-batch"] == 0
+        assert len(found["booked"]) == len(found["bucket_numels"])
+
+
+def test_the_book_ring_as_all_reduce_moves_what_the_formula_says(ranks, reference):
+    x, y = _batch()
+    results = ranks.apply(_data_parallel_step, CFG, x, y, "overlapped, ring", CAP_BYTES)
+    for found in results:
+        _assert_close(found["grads"], reference)
+        assert found["booked"] == []
+        assert list(found["counted"]) == found["formula"]
+        grad_bytes = 4 * sum(found["bucket_numels"])
+        assert abs(found["counted"][0] - grad_bytes) <= 4 * len(found["bucket_numels"])  # 2(N-1)/N = 1 at N=2
+
+
+@ipp.interactive
+def _wrong_pattern(cfg, x, y, wrong, cap_bytes):
+    import torch.distributed as dist
+
+    from helpers import ddp
+    from helpers.checks import CheckFailed
+    from helpers.data import rank_rows
+    from helpers.model import GPT
+
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    model = GPT(cfg, seed=0)
+    watch = ddp.CommunicationWatch(model)
+    if wrong == "synchronous":
+        buckets = ddp.build_buckets(list(model.parameters()), cap_bytes)
+    else:
+        trainer = ddp.OverlappedDDP(model, {"per parameter": 1, "one bucket": 2**40}[wrong])
+    with watch:
+        model(rank_rows(x, rank, world_size), rank_rows(y, rank, world_size))[1].backward()
+        ddp.bucketed_average(buckets) if wrong == "synchronous" else trainer.finish()
+    try:
+        ddp.check_communication("pattern", watch, cap_bytes)
+    except CheckFailed as err:
+        return str(err)
+    return None
+
+
+@pytest.mark.parametrize("wrong, message", [("synchronous", "called before backward's last gradient"),
+                                            ("per parameter", "would fit under the cap as one"),
+                                            ("one bucket", "over the 9,000-byte cap")])
+def test_the_communication_check_rejects_a_wrong_pattern(ranks, wrong, message):
+    x, y = _batch()
+    for err in ranks.apply(_wrong_pattern, CFG, x, y, wrong, CAP_BYTES):
+        assert err is not None and message in err, err
