@@ -6,8 +6,13 @@
 - :func:`run_schedule` runs one rank's list of actions from a :class:`helpers.pp_schedules.Schedule`. Activations
   travel forward and their gradients backward by point-to-point messages, each tagged with its kind, chunk and
   micro-batch, so a message can only be taken for the one it is; sends are asynchronous and receives wait, so the
-  order the schedule gives is the order the rank works in. Every message is written into
-  :data:`helpers.ledger.LEDGER`; every action is written into the rank's list of :class:`Event` s.
+  order the schedule gives is the order the rank works in. Every message is counted in
+  :data:`helpers.ledger.LEDGER` as it is posted; every action is written into the rank's list of :class:`Event` s,
+  with the bytes :class:`SavedActivations` measured afterwards.
+- :func:`backward_input` and :func:`backward_weight` split a chunk's backward in two for the zero-bubble
+  schedules, as ``torch.distributed.pipelining`` does: the first computes the gradients of the activations only,
+  keeping the gradient at the output of every layer with weights; the second computes the weights' gradients from
+  those alone, one layer at a time, without walking the rest of the graph again.
 - :func:`torch_pipeline` runs the same chunks under ``torch.distributed.pipelining``'s schedules.
 
 The loss of a step is the mean over the ``m`` micro-batches of each one's mean loss, so each micro-batch's
@@ -24,6 +29,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.autograd.graph import get_gradient_edge, saved_tensors_hooks
 
 from .budget import stage_layers
 from .dist import collective_timeout
@@ -100,17 +106,78 @@ def chunk_params(chunks) -> dict[str, torch.Tensor]:
 
 
 class Event(NamedTuple):
-    """One action as a rank ran it: when it began waiting for its input, when it started and ended computing
-    (``time.perf_counter``, the machine's monotonic clock, the same in every process), and how many
-    (chunk, micro-batch) pairs had activations kept afterwards."""
+    """One action as a rank ran it: when it began waiting for its input, when it started computing, when the
+    computation ended and when the action ended (later if it was padded to a fixed duration), on
+    ``time.perf_counter``, the machine's monotonic clock, the same in every process; and the bytes of activations
+    the rank's transformer blocks still had saved for backward afterwards, measured by :class:`SavedActivations`."""
 
     kind: str
     chunk: int
     micro_batch: int
     waited: float
     start: float
+    computed: float
     end: float
-    alive: int
+    saved_bytes: int
+
+
+class _Saved:
+    """What autograd keeps in place of one saved tensor while a :class:`SavedActivations` watches: it lives exactly
+    as long as autograd keeps the tensor for backward."""
+
+    __slots__ = ("tensor", "meter", "key")
+
+    def __init__(self, tensor, meter, key):
+        self.tensor, self.meter, self.key = tensor, meter, key
+
+    def __del__(self):
+        self.meter._release(self.key)
+
+
+class SavedActivations:
+    """The bytes of the tensors that autograd keeps saved for backward inside the transformer blocks of ``chunks``,
+    live: while a block runs its forward, a ``saved_tensors_hooks`` pack hook wraps every tensor autograd saves in
+    a holder that autograd keeps instead of the tensor and drops when it frees it. Each storage counts once;
+    the parameters (``F.linear`` saves the weight) are left out, since they are not activations."""
+
+    def __init__(self, chunks):
+        self.params = {p.untyped_storage().data_ptr() for c in chunks for p in c.parameters()}
+        self.live: dict[int, list] = {}  # storage pointer: [bytes, holders]
+        self.bytes = 0
+        self._contexts: list = []
+        self._handles = [h for c in chunks for block in c.blocks
+                         for h in (block.register_forward_pre_hook(self._enter), block.register_forward_hook(self._exit))]
+
+    def _enter(self, module, args):
+        self._contexts.append(saved_tensors_hooks(self._pack, self._unpack))
+        self._contexts[-1].__enter__()
+
+    def _exit(self, module, args, output):
+        self._contexts.pop().__exit__(None, None, None)
+
+    def _pack(self, tensor):
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() in self.params:
+            return tensor
+        entry = self.live.setdefault(storage.data_ptr(), [storage.nbytes(), 0])
+        self.bytes += entry[0] if entry[1] == 0 else 0
+        entry[1] += 1
+        return _Saved(tensor.detach(), self, storage.data_ptr())  # detached: a saved output would hold its own node
+
+    @staticmethod
+    def _unpack(packed):
+        return packed.tensor if isinstance(packed, _Saved) else packed
+
+    def _release(self, key) -> None:
+        entry = self.live[key]
+        entry[1] -= 1
+        if entry[1] == 0:
+            self.bytes -= entry[0]
+            del self.live[key]
+
+    def close(self) -> None:
+        for h in self._handles:
+            h.remove()
 
 
 def _tag(kind: str, chunk: int, micro_batch: int, m: int) -> int:
@@ -119,7 +186,8 @@ def _tag(kind: str, chunk: int, micro_batch: int, m: int) -> int:
 
 
 class _Mailbox:
-    """Point-to-point messages of one rank: asynchronous tagged sends, waited receives, each booked in the ledger."""
+    """Point-to-point messages of one rank: asynchronous tagged sends, waited receives, each counted in the ledger
+    with the bytes of the tensor it carries."""
 
     def __init__(self, s: Schedule, rank: int, group, timeout_s: float):
         self.s, self.rank, self.group, self.timeout_s = s, rank, group, timeout_s
@@ -159,10 +227,61 @@ class _Mailbox:
         self.pending.clear()
 
 
+def weight_layers(chunk: nn.Module) -> list[nn.Module]:
+    """The modules of ``chunk`` that own weights: its linear layers, norms and embeddings."""
+    return [mod for mod in chunk.modules() if any(True for _ in mod.parameters(recurse=False))]
+
+
+def forward_step(chunk: PipelineChunk, x: torch.Tensor):
+    """``chunk(x)``, and where each layer with weights handed its output on to the graph (its gradient edge):
+    the point the weight-gradient step restarts from. Edges keep the graph's nodes, not the outputs."""
+    edges = []
+    hooks = [mod.register_forward_hook(lambda mod, args, y: edges.append((mod, get_gradient_edge(y))))
+             for mod in weight_layers(chunk)]
+    try:
+        out = chunk(x)
+    finally:
+        for h in hooks:
+            h.remove()
+    return out, edges
+
+
+def backward_input(out, grad, x, edges):
+    """The zero-bubble paper's B (I here): the gradient of the chunk's input and of every weight layer's output,
+    and nothing else: with no parameter among the inputs, autograd skips every weight-gradient product. Keeps the
+    graph (``retain_graph``) for :func:`backward_weight`. Returns ``(input gradient or None, kept for W)``."""
+    inputs = ([x] if x.requires_grad else []) + [edge for _, edge in edges]
+    grads = torch.autograd.grad(out, inputs, grad, retain_graph=True)
+    input_grad = grads[0] if x.requires_grad else None
+    return input_grad, [(mod, edge, g) for (mod, edge), g in zip(edges, grads[len(grads) - len(edges):])]
+
+
+def backward_weight(kept) -> None:
+    """The zero-bubble paper's W: each weight layer's gradients from the gradient at its own output, which
+    :func:`backward_input` kept. Autograd walks from that output to the layer's own weights only; the rest of
+    the graph, and with it the activations saved for the input gradients, is freed when ``kept`` is dropped."""
+    for mod, edge, grad_out in kept:
+        params = list(mod.parameters(recurse=False))
+        for p, g in zip(params, torch.autograd.grad(edge, params, grad_out)):
+            p.grad = g if p.grad is None else p.grad + g  # accumulate over micro-batches
+
+
+def _pad(start: float, seconds: float | None) -> tuple[float, float]:
+    """When the computation ended, and when the action ends: padded by a sleep to ``seconds`` after ``start``."""
+    computed = time.perf_counter()
+    if seconds:
+        time.sleep(max(0.0, start + seconds - computed))
+    return computed, time.perf_counter()
+
+
 def run_schedule(s: Schedule, chunks: dict[int, PipelineChunk], tokens: torch.Tensor, targets: torch.Tensor,
-                 rank: int, *, group=None, timeout_s: float | None = None):
+                 rank: int, *, group=None, timeout_s: float | None = None, stage_seconds: dict | None = None):
     """Run rank ``rank``'s actions of ``s`` on its ``chunks`` (``{chunk index: PipelineChunk}``) for one global
     batch, split into ``s.m`` micro-batches. Gradients accumulate into the chunks' parameters.
+
+    ``stage_seconds`` (e.g. ``{"F": 0.02, "B": 0.04, "I": 0.02, "W": 0.02}``, for a whole stage; a chunk of a rank
+    holding ``v`` chunks takes ``1/v`` of it) pads every action with a sleep to a fixed duration, so that the
+    timeline shows the schedule rather than the ranks' competition for the machine's cores.
 
     Returns ``(losses, events)``: each micro-batch's loss on the rank that runs the last chunk (else empty),
     and one :class:`Event` per action. The schedule is validated first, so a bad one raises a
@@ -179,43 +298,46 @@ def run_schedule(s: Schedule, chunks: dict[int, PipelineChunk], tokens: torch.Te
     dtype = next(some_chunk.parameters()).dtype
     like = torch.empty(*xs[0].shape, d_model, dtype=dtype)  # the activations between chunks
     mail = _Mailbox(s, rank, group, timeout_s or collective_timeout())
+    seconds = {kind: t / len(chunks) for kind, t in (stage_seconds or {}).items()}
+    saved = SavedActivations(chunks.values())
     kept, losses, events = {}, {}, []
     last = s.n_chunks - 1
-    for step, a in enumerate(s.actions[rank]):
-        c, i = a.chunk, a.micro_batch
-        waited = time.perf_counter()
-        if a.kind == "F":
-            x = xs[i] if c == 0 else mail.recv(like, "F", c - 1, i, s.placement[c - 1], step, a).requires_grad_()
-            start = time.perf_counter()
-            out = chunks[c](x)
-            if c == last:
-                out = cross_entropy(out, ys[i]) / s.m  # this micro-batch's share of the batch's mean loss
-                losses[str(i)] = out.detach() * s.m
-            end = time.perf_counter()  # before the send: the next rank cannot start earlier than this
-            if c < last:
-                mail.send(out, "F", c, i, s.placement[c + 1], step)
-            kept[(c, i)] = (x, out, None)
-        elif a.kind in ("B", "I"):
-            x, out, _ = kept[(c, i)]
-            grad = None if c == last else mail.recv(like, "grad", c + 1, i, s.placement[c + 1], step, a)
-            start = time.perf_counter()
-            if a.kind == "B":
-                torch.autograd.backward(out, grad)
-                del kept[(c, i)]
-                input_grad = x.grad
-            else:  # only the input's gradient now; the graph is kept for W
-                input_grad = torch.autograd.grad(out, x, grad, retain_graph=True)[0] if c > 0 else None
-                kept[(c, i)] = (x, out, grad)
-            end = time.perf_counter()
-            if c > 0:
-                mail.send(input_grad, "grad", c, i, s.placement[c - 1], step)
-        else:  # W: the weights' gradients, from the graph and output gradient kept by I
-            x, out, grad = kept.pop((c, i))
-            start = time.perf_counter()
-            torch.autograd.backward(out, grad, inputs=list(chunks[c].parameters()))
-            end = time.perf_counter()
-        events.append(Event(a.kind, c, i, waited, start, end, len(kept)))
-    mail.flush()
+    try:
+        for step, a in enumerate(s.actions[rank]):
+            c, i = a.chunk, a.micro_batch
+            waited = time.perf_counter()
+            if a.kind == "F":
+                x = xs[i] if c == 0 else mail.recv(like, "F", c - 1, i, s.placement[c - 1], step, a).requires_grad_()
+                start = time.perf_counter()
+                out, edges = forward_step(chunks[c], x)
+                if c == last:
+                    out = cross_entropy(out, ys[i]) / s.m  # this micro-batch's share of the batch's mean loss
+                    losses[str(i)] = out.detach() * s.m
+                computed, end = _pad(start, seconds.get("F"))  # before the send: the next rank starts after it
+                if c < last:
+                    mail.send(out, "F", c, i, s.placement[c + 1], step)
+                kept[(c, i)] = (x, out, edges)
+            elif a.kind in ("B", "I"):
+                x, out, edges = kept.pop((c, i))
+                grad = None if c == last else mail.recv(like, "grad", c + 1, i, s.placement[c + 1], step, a)
+                start = time.perf_counter()
+                if a.kind == "B":
+                    torch.autograd.backward(out, grad)
+                    input_grad = x.grad
+                else:  # only the activations' gradients now; what W needs is kept, the input and output are not
+                    input_grad, kept[(c, i)] = backward_input(out, grad, x, edges)
+                computed, end = _pad(start, seconds.get(a.kind))
+                if c > 0:
+                    mail.send(input_grad, "grad", c, i, s.placement[c - 1], step)
+            else:
+                start = time.perf_counter()
+                backward_weight(kept.pop((c, i)))
+                computed, end = _pad(start, seconds.get("W"))
+            x = out = edges = grad = input_grad = None  # nothing of this micro-batch outlives the action but kept
+            events.append(Event(a.kind, c, i, waited, start, computed, end, saved.bytes))
+        mail.flush()
+    finally:
+        saved.close()
     return losses, events
 
 

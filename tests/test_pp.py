@@ -2,9 +2,11 @@
 run of each schedule on two ranks.
 
 The schedule tests run in this process, in exact fractions: the simulator reproduces every bubble and peak-memory
-formula, and a broken schedule raises a ScheduleError naming the rank, the action and the micro-batch. The
-distributed test starts two ranks, runs each schedule on a small GPT, and compares the gradients with the single
-process here.
+formula, and a broken schedule raises a ScheduleError naming the rank, the action and the micro-batch. The split
+backward (I, then W) is checked against the whole backward in this process: the same gradients, and between them
+exactly its FLOPs. The distributed test starts two ranks, runs each schedule on a small GPT, and compares the
+gradients with the single process here, and the activations each rank kept, measured by saved-tensor hooks, with
+the formulas.
 """
 
 from dataclasses import replace
@@ -14,7 +16,7 @@ import ipyparallel as ipp
 import pytest
 import torch
 
-from helpers import pp
+from helpers import measure, pp
 from helpers import pp_schedules as S
 from helpers.model import GPT, GPTConfig
 
@@ -132,8 +134,65 @@ def test_the_formula_for_bytes_counts_the_boundaries_between_ranks():
     assert pp.expected_p2p_bytes(S.interleaved_1f1b(4, 8, 2), 2, 10) == (320, 320)
 
 
+def _one_chunk(index=1, n_chunks=4):
+    chunk = pp.split_model(GPT(CFG, seed=0), n_chunks)[index]
+    gen = torch.Generator().manual_seed(0)
+    h = torch.randn(2, CFG.seq_len, CFG.d_model, generator=gen).requires_grad_()
+    return chunk, h, torch.randn(2, CFG.seq_len, CFG.d_model, generator=gen)
+
+
+def test_input_then_weight_gradients_are_the_whole_backward_and_its_flops_exactly():
+    chunk, h, grad = _one_chunk()
+    state = {}
+
+    def forward():
+        state["out"], state["edges"] = pp.forward_step(chunk, h)
+
+    def total(fn):
+        return sum(measure.count_flops(fn).values())
+
+    total(forward)
+    whole = total(lambda: torch.autograd.backward(state.pop("out"), grad))
+    want = {"input": h.grad, **{n: p.grad for n, p in chunk.named_parameters()}}
+    h.grad = None
+    chunk.zero_grad(set_to_none=True)
+    total(forward)
+    input_flops = total(lambda: state.update(zip(("h_grad", "kept"), pp.backward_input(
+        state.pop("out"), grad, h, state.pop("edges")))))
+    weight_flops = total(lambda: pp.backward_weight(state.pop("kept")))
+    got = {"input": state["h_grad"], **{n: p.grad for n, p in chunk.named_parameters()}}
+    assert h.grad is None  # I returns the input's gradient, it does not accumulate it
+    for name in want:
+        assert torch.equal(got[name], want[name]), name
+    assert input_flops + weight_flops == whole
+    linear = sum(m.weight.numel() for m in chunk.modules() if isinstance(m, torch.nn.Linear))
+    assert weight_flops == 2 * 2 * CFG.seq_len * linear
+
+
+def test_saved_activations_follow_autograd_from_forward_to_the_last_backward():
+    per_layer = measure.saved_bytes_per_layer(CFG, 2, CFG.seq_len)
+    chunk, h, grad = _one_chunk()  # one layer
+    saved = pp.SavedActivations([chunk])
+    try:
+        out, edges = pp.forward_step(chunk, h)
+        assert saved.bytes == per_layer
+        kept = pp.backward_input(out, grad, h, edges)[1]
+        del out, edges
+        assert saved.bytes == per_layer  # the graph stays saved for W
+        pp.backward_weight(kept)
+        del kept
+        assert saved.bytes == 0 and not saved.live
+        out = chunk(h)
+        torch.autograd.backward(out, grad, retain_graph=True)
+        assert saved.bytes == per_layer  # a retained graph keeps everything
+        del out
+        assert saved.bytes == 0
+    finally:
+        saved.close()
+
+
 @ipp.interactive  # sent by value: the engines cannot import this test module
-def _pipeline_step(cfg, schedule):
+def _pipeline_step(cfg, schedule, stage_seconds=None):
     import torch
     import torch.distributed as dist
 
@@ -148,9 +207,10 @@ def _pipeline_step(cfg, schedule):
     base = GPT(cfg, seed=0)
     chunks = {c: pp.PipelineChunk(base, c, schedule.n_chunks) for c in schedule.chunks_of(rank)}
     LEDGER.clear()
-    losses, events = pp.run_schedule(schedule, chunks, x, y, rank)
+    losses, events = pp.run_schedule(schedule, chunks, x, y, rank, stage_seconds=stage_seconds)
     return ({k: float(v) for k, v in losses.items()}, pp.chunk_grads(chunks.values()),
-            max(e.alive for e in events), LEDGER.totals("pipeline"))
+            (max(e.saved_bytes for e in events), events[-1].saved_bytes), LEDGER.totals("pipeline"),
+            [tuple(e) for e in events])
 
 
 def test_every_schedule_on_two_ranks_matches_the_single_process(ranks):
@@ -161,17 +221,30 @@ def test_every_schedule_on_two_ranks_matches_the_single_process(ranks):
     loss = reference(x, y)[1]
     loss.backward()
     activation_bytes = 1 * CFG.seq_len * CFG.d_model * 4
+    per_layer = measure.saved_bytes_per_layer(CFG, 1, CFG.seq_len)
     for s in [S.gpipe(2, 4), S.one_f_one_b(2, 4), S.interleaved_1f1b(2, 4, 2), S.zb_h1(2, 4)]:
         results = ranks.apply(_pipeline_step, CFG, s)
         losses = results[s.placement[-1]][0]
         assert sum(losses.values()) / 4 == pytest.approx(loss.item(), rel=1e-6), s.name
-        grads = {n: g for _, per_rank, _, _ in results for n, g in per_rank.items()}
+        grads = {n: g for _, per_rank, _, _, _ in results for n, g in per_rank.items()}
         assert sorted(grads) == sorted(n for n, _ in reference.named_parameters())
         for name, p in reference.named_parameters():
             assert (grads[name] - p.grad).abs().max().item() <= 1e-6 * p.grad.abs().max().item(), (s.name, name)
         v = len(s.chunks_of(0))
-        assert [r[2] for r in results] == [S.peak_alive_formula(s.name, 2, 4, r, v) for r in range(2)], s.name
+        unit = per_layer * CFG.n_layers // s.n_chunks  # one micro-batch through one chunk
+        assert [r[2] for r in results] == [(S.peak_alive_formula(s.name, 2, 4, r, v) * unit, 0) for r in range(2)]
         assert [r[3] for r in results] == [pp.expected_p2p_bytes(s, r, activation_bytes) for r in range(2)]
+
+
+def test_fixed_stage_seconds_pad_every_action_and_keep_the_gradients(ranks):
+    s = S.zb_h1(2, 4)
+    seconds = {"F": 0.004, "B": 0.008, "I": 0.004, "W": 0.004}
+    plain, padded = ranks.apply(_pipeline_step, CFG, s), ranks.apply(_pipeline_step, CFG, s, seconds)
+    for r in range(2):
+        for name, g in plain[r][1].items():
+            assert torch.equal(padded[r][1][name], g), name
+        for kind, _, _, _, start, computed, end, _ in padded[r][4]:
+            assert start <= computed <= end and end - start >= seconds[kind]  # a sleep only overshoots
 
 
 def test_a_deadlocking_schedule_fails_on_the_ranks_without_a_hang(ranks):
