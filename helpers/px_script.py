@@ -8,16 +8,28 @@ instead. Two conventions make this possible, and every chapter keeps them:
 - a ``%%px`` cell uses only what earlier ``%%px`` cells defined (never a value pushed from the kernel);
 - a cell tagged ``raises-exception`` (a failure shown on purpose) is left out.
 
-``python -m helpers.px_script 00 --nproc 4`` exports chapter 00 and runs it with :data:`TORCHRUN_ARGS`, which
+``python -m helpers.px_script 00 --nproc 4`` exports chapter 00 and runs it with :func:`torchrun_args`, which
 keep every listener on 127.0.0.1 (torchrun's default rendezvous store listens on all interfaces).
+
+Several nodes, one launch per node, meet at a c10d rendezvous (:func:`multinode_torchrun_args`)::
+
+    python -m helpers.px_script 00 --nproc 2 --nnodes 2 --node-rank 0 --rdzv-endpoint HOST:29400   # on HOST
+    python -m helpers.px_script 00 --nproc 2 --nnodes 2 --node-rank 1 --rdzv-endpoint HOST:29400   # elsewhere
+
+When HOST is a loopback address, every "node" is this machine: the launch with ``--node-rank 0`` then hosts the
+rendezvous store itself, on HOST alone, and both torchrun agents only connect to it.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import datetime
 import glob
+import ipaddress
 import os
 import re
+import socket
 import subprocess
 import sys
 import tempfile
@@ -47,6 +59,62 @@ def torchrun_args(nproc: int, rendezvous_file: str) -> list[str]:
     """torchrun's flags for one machine with a file rendezvous and every socket on 127.0.0.1."""
     return ["--nproc-per-node", str(nproc), "--rdzv-backend", "c10d", "--rdzv-conf", "store_type=file",
             "--rdzv-endpoint", rendezvous_file, "--local-addr", "127.0.0.1"]
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(socket.gethostbyname(host)).is_loopback
+    except (OSError, ValueError):
+        return False
+
+
+def split_endpoint(endpoint: str) -> tuple[str, int]:
+    """``HOST:PORT`` as ``(host, port)``."""
+    host, sep, port = endpoint.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise ValueError(f"rendezvous endpoint {endpoint!r}: expected HOST:PORT")
+    return host, int(port)
+
+
+def multinode_torchrun_args(nproc: int, nnodes: int, node_rank: int, endpoint: str, rdzv_id: str = "book",
+                            local_addr: str | None = None) -> list[str]:
+    """torchrun's flags for one node of several, meeting at a c10d rendezvous at ``endpoint`` (HOST:PORT).
+
+    torchrun reads ``--node-rank`` for a static rendezvous only: under c10d the nodes are ranked in the order
+    they join, so the ranks a node's workers get may differ from ``node_rank * nproc``. With a loopback
+    endpoint the agents do not host the store (``is_host=false``, :func:`run` does it on the endpoint alone)
+    and advertise the loopback address to the workers.
+    """
+    host, _ = split_endpoint(endpoint)
+    args = ["--nnodes", str(nnodes), "--node-rank", str(node_rank), "--nproc-per-node", str(nproc),
+            "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", rdzv_id]
+    if _is_loopback(host):
+        args += ["--rdzv-conf", "is_host=false"]
+        local_addr = local_addr or host
+    if local_addr:
+        args += ["--local-addr", local_addr]
+    return args
+
+
+@contextlib.contextmanager
+def loopback_rendezvous_store(endpoint: str, timeout_s: float):
+    """A TCPStore for torchrun's c10d rendezvous, listening on the endpoint's loopback address alone.
+
+    torchrun's agent would host it with a plain TCPStore, which listens on every interface.
+    """
+    import torch.distributed as dist
+
+    host, port = split_endpoint(endpoint)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((socket.gethostbyname(host), port))
+    sock.listen(128)
+    store = dist.TCPStore(host, sock.getsockname()[1], None, True, timeout=datetime.timedelta(seconds=timeout_s),
+                          wait_for_workers=False, master_listen_fd=sock.detach())
+    try:
+        yield store
+    finally:
+        del store
 
 
 def notebook_path(chapter: str) -> str:
@@ -89,16 +157,30 @@ def export(path: str) -> str:
     return PREAMBLE.format(source=os.path.relpath(path, ROOT)) + "\n" + body + "\n" + POSTAMBLE
 
 
-def run(chapter: str, nproc: int, timeout_s: float = 300) -> subprocess.CompletedProcess:
-    """Export the chapter and run it under torchrun; the completed process, output captured."""
+def run(chapter: str, nproc: int, timeout_s: float = 300, *, nnodes: int = 1, node_rank: int = 0,
+        rdzv_endpoint: str | None = None, rdzv_id: str = "book",
+        local_addr: str | None = None) -> subprocess.CompletedProcess:
+    """Export the chapter and run it under torchrun; the completed process, output captured.
+
+    Without ``rdzv_endpoint``: one node, a file rendezvous. With it: this node's share of a run over
+    ``nnodes`` launches (:func:`multinode_torchrun_args`).
+    """
+    if nnodes > 1 and rdzv_endpoint is None:
+        raise ValueError("several nodes need a rendezvous endpoint (--rdzv-endpoint HOST:PORT)")
     path = os.path.abspath(notebook_path(chapter))
-    with tempfile.TemporaryDirectory(prefix="book-torchrun-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="book-torchrun-") as tmp, contextlib.ExitStack() as stack:
         script = os.path.join(tmp, os.path.basename(path).replace(".md", ".py"))
         with open(script, "w") as f:
             f.write(export(path))
+        if rdzv_endpoint is None:
+            args = torchrun_args(nproc, os.path.join(tmp, "rendezvous"))
+        else:
+            args = multinode_torchrun_args(nproc, nnodes, node_rank, rdzv_endpoint, rdzv_id, local_addr)
+            if node_rank == 0 and _is_loopback(split_endpoint(rdzv_endpoint)[0]):
+                stack.enter_context(loopback_rendezvous_store(rdzv_endpoint, timeout_s))
+        # Each rank's process group gets a store of its own (helpers.dist), not the rendezvous store.
         env = dict(os.environ, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
-        cmd = [sys.executable, "-m", "torch.distributed.run",
-               *torchrun_args(nproc, os.path.join(tmp, "rendezvous")), script]
+        cmd = [sys.executable, "-m", "torch.distributed.run", *args, script]
         return subprocess.run(cmd, env=env, cwd=os.path.dirname(path), capture_output=True, text=True,
                               timeout=timeout_s)
 
@@ -106,14 +188,20 @@ def run(chapter: str, nproc: int, timeout_s: float = 300) -> subprocess.Complete
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("chapter", help="chapter number (00) or notebook path")
-    parser.add_argument("--nproc", type=int, default=4)
+    parser.add_argument("--nproc", type=int, default=4, help="ranks on this node")
+    parser.add_argument("--nnodes", type=int, default=1, help="launches that make up the run, one per node")
+    parser.add_argument("--node-rank", type=int, default=0, help="0 on the node of the rendezvous endpoint")
+    parser.add_argument("--rdzv-endpoint", help="HOST:PORT of the c10d rendezvous (several nodes)")
+    parser.add_argument("--rdzv-id", default="book", help="the same on every node of one run")
+    parser.add_argument("--local-addr", help="the address other nodes reach this one at (MASTER_ADDR if it gets rank 0), if not its name's")
     parser.add_argument("--print", action="store_true", help="print the script instead of running it")
     args = parser.parse_args(argv)
     try:
         if args.print:
             print(export(notebook_path(args.chapter)))
             return 0
-        done = run(args.chapter, args.nproc)
+        done = run(args.chapter, args.nproc, nnodes=args.nnodes, node_rank=args.node_rank,
+                   rdzv_endpoint=args.rdzv_endpoint, rdzv_id=args.rdzv_id, local_addr=args.local_addr)
     except ValueError as err:
         print(f"px_script: {err}", file=sys.stderr)
         return 2
