@@ -193,7 +193,8 @@ def main(argv=None) -> int:
     parser.add_argument("--node-rank", type=int, default=0, help="0 on the node of the rendezvous endpoint")
     parser.add_argument("--rdzv-endpoint", help="HOST:PORT of the c10d rendezvous (several nodes)")
     parser.add_argument("--rdzv-id", default="book", help="the same on every node of one run")
-    parser.add_argument("--local-addr", help="the address other nodes reach this one at (MASTER_ADDR if it gets rank 0), if not its name's")
+    parser.add_argument("--local-addr", help="the address other nodes reach this one at (MASTER_ADDR if it "
+                                             "gets rank 0), if not its host name's")
     parser.add_argument("--print", action="store_true", help="print the script instead of running it")
     args = parser.parse_args(argv)
     try:
