@@ -1,7 +1,9 @@
 # The distributed training handbook: one command to set up, build and check everything.
 #
 #   make build         create .venv if needed, execute every notebook, build the HTML into _build/html
-#   make test          unit tests, the faulty-notebook tests, then the full book build with warnings as errors
+#   make test          unit tests, the faulty-notebook tests, the full book build with warnings as errors, then
+#                      the browser test of the built pages (skipped, loudly, where no Chromium is installed)
+#   make browser       the browser test alone, on the book `make build` built
 #   make chapter CH=00 execute and check one chapter (fast feedback while reading or writing)
 #   make torchrun CH=00 NPROC=4   run a chapter's %%px cells as a script under torchrun
 #   make lab           JupyterLab on the notebooks, with jupytext pairing
@@ -20,7 +22,7 @@ CH ?= 00
 # Every command that may start ranks runs under the reaper: whatever it leaves alive is ended.
 REAP := $(PY) -m helpers.reap --
 
-.PHONY: build test unit chapter torchrun lab sync clean venv
+.PHONY: build test unit browser chapter torchrun lab sync clean venv
 
 venv: $(STAMP)
 
@@ -39,9 +41,13 @@ build: $(STAMP)
 	@echo "HTML: _build/html/index.html"
 
 unit: $(STAMP)
-	$(REAP) $(PY) -m pytest -q tests
+	$(REAP) $(PY) -m pytest -q tests --ignore=tests/browser
 
-test: unit build
+# Headless Chromium opens every built page offline at 1280 and 390 px (helpers/browser_check.py).
+browser: $(STAMP)
+	$(REAP) $(PY) -m pytest -q -rs tests/browser
+
+test: unit build browser
 
 chapter: $(STAMP)
 	$(REAP) $(PY) -m helpers.run_chapter $(CH)
