@@ -23,6 +23,7 @@ FAILED = re.compile(r"^(\S+\.(?:md|ipynb)): WARNING: Executing notebook failed")
 SAVED = re.compile(r"^(\S+\.(?:md|ipynb)): WARNING: Notebook exception traceback saved")
 EXECUTED = re.compile(r"^(\S+\.(?:md|ipynb)): Executed notebook in ([0-9.]+) seconds")
 RANK_HEADER = re.compile(r"^\[(\d+):(?:execute|apply)\]:?\s*$")
+ON_RANKS = re.compile(r"^on (ranks? [\d, ]+): (.+)")  # helpers.errors' compact form of a rank's error
 ERROR_LINE = re.compile(r"^(?:\[\d+:\w+\]\s*)?[A-Za-z_.]*(?:Error|Failed|Exception|Timeout\w*)\b:?.*")
 
 
@@ -45,6 +46,8 @@ def summarize(log: str) -> list[str]:
             warnings.append(line)
         elif header := RANK_HEADER.match(line):
             rank = header.group(1)
+        elif on_ranks := ON_RANKS.match(line):
+            errors.append(f"{notebook}: on {on_ranks.group(1)}: {on_ranks.group(2)}")
         elif re.search(r"(WARNING|ERROR):", line) and "Kernel is running over TCP" not in line:
             warnings.append(line)
         elif ERROR_LINE.match(line) and not NOISE.search(line):

@@ -26,6 +26,16 @@ from dataclasses import asdict, dataclass
 class CheckFailed(AssertionError):
     """A distributed result does not match its single-process reference."""
 
+    def _render_traceback_(self) -> list[str]:
+        """What IPython shows: the message, which says what failed and by how much, without the checks' frames."""
+        from .errors import full_tracebacks
+
+        if full_tracebacks():
+            import traceback
+
+            return traceback.format_exception(self)
+        return [f"CheckFailed: {self}"]
+
 
 @dataclass
 class CheckResult:

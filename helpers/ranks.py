@@ -31,6 +31,7 @@ import tempfile
 import time
 
 from . import dist as book_dist
+from . import errors as book_errors
 
 _current: "Ranks | None" = None
 
@@ -209,6 +210,7 @@ def start_ranks(world_size: int = 4, *, timeout_s: float | None = None, activate
         if shell is not None:
             # Output grouped by rank, in rank order, once every rank is done: the same page on every build.
             shell.run_line_magic("pxconfig", "--no-stream --progress-after -1")
+            book_errors.install(shell)  # a failure shows its message and its rank, not four tracebacks
     return ranks
 
 
