@@ -17,7 +17,9 @@ of a group, so that each rank stores and multiplies ``1/tp`` of it:
 Sequence parallelism (Korthikanti et al. 2022) also splits the rest of the layer, the norms and residual
 stream, along the sequence: the all-reduce of ``g`` becomes a reduce-scatter
 (:func:`reduce_scatter_to_sequence_parallel_region`) and ``f`` an all-gather
-(:func:`gather_from_sequence_parallel_region`), same bytes, ``1/tp`` of those activations per rank. The
+(:func:`gather_from_sequence_parallel_region`), the same bytes, ``1/tp`` of those activations per rank; backward
+also gathers each column-parallel layer's input again (:class:`_SequenceParallelLinear`), since only this rank's
+slice of it is kept. The
 parameters of the sequence-split region (the norms, the position embedding) then see only their rank's tokens,
 and :func:`allreduce_sequence_parallel_grads` sums their gradients.
 
