@@ -224,6 +224,7 @@ class MoELayer(nn.Module):
             "chosen": torch.stack([torch.bincount(r.expert.reshape(-1), minlength=E) for r in routings]),
             "kept": torch.stack([torch.bincount(r.expert[r.kept], minlength=E) for r in routings]),
             "expert": torch.stack([r.expert for r in routings]),
+            "kept_mask": torch.stack([r.kept for r in routings]),
         }
         self.stats["dropped"] = self.stats["chosen"].sum(-1) - self.stats["kept"].sum(-1)
 
@@ -299,7 +300,10 @@ class ExpertParallelMoE(MoELayer):
         back = all_to_all(rows[torch.argsort(order)], recv, send, self.group, "moe_combine")
         out = torch.zeros_like(tokens).index_add(0, token, back * gate.unsqueeze(-1).to(back.dtype))
         self.record([routing])
-        self.stats["received"] = from_ranks.sum(0)  # rows each local expert computed
+        # what the checks compare with the single process: the split sizes this rank gave dispatch, the counts
+        # the count exchange delivered, and the rows dispatch's all_to_all_single delivered
+        self.stats.update(send=torch.tensor(send), from_ranks=from_ranks, arrived=arrived.detach(),
+                          received=from_ranks.sum(0))
         return out.view_as(x)
 
     def global_load(self) -> torch.Tensor:
@@ -320,6 +324,31 @@ class ExpertParallelMoE(MoELayer):
             for name in ("up_proj", "down_proj"):
                 getattr(part.experts, name).weight.copy_(getattr(layer.experts, name).weight[rank * n:(rank + 1) * n])
         return part
+
+
+def dispatch_arrivals(expert: torch.Tensor, kept: torch.Tensor, n_experts: int, rank: int) -> torch.Tensor:
+    """The tokens whose rows a single-process routing sends to ``rank``'s experts, in the order dispatch
+    delivers them: by source rank, then expert, then token.
+
+    ``expert`` and ``kept`` are a :class:`MoELayer`'s ``stats`` of the same name, ``(ep, tokens, top_k)``, one
+    routing group per rank; a token is named by its place in the whole batch, ``group · tokens + token``.
+    """
+    ep, tokens, _ = expert.shape
+    n = n_experts // ep
+    arrivals = []
+    for source in range(ep):
+        for e in range(rank * n, (rank + 1) * n):
+            chose = ((expert[source] == e) & kept[source]).any(-1)
+            arrivals.append(torch.nonzero(chose).flatten() + source * tokens)
+    return torch.cat(arrivals)
+
+
+def identify_rows(rows: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """Which of ``tokens`` (a whole batch, one row each) each of ``rows`` is a copy of, bit for bit; -1 for a
+    row that is a copy of none or of several. An all-to-all copies rows, so every row it delivered is found."""
+    same = (rows.unsqueeze(1) == tokens.unsqueeze(0)).all(-1)
+    found = same.int().argmax(-1)
+    return torch.where(same.sum(-1) == 1, found, -1)
 
 
 # ---------------------------------------------------------------------------------------------------------

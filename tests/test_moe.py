@@ -86,6 +86,23 @@ def test_uneven_all_to_all_bytes_leave_out_the_own_split():
         all_to_all_bytes([1, 2], [1, 2, 3], 0, row_bytes=4)
 
 
+def test_dispatch_arrivals_follow_source_rank_then_expert_then_token():
+    # two groups (ranks) of two tokens, top-1; expert 0 lives on rank 0, expert 1 on rank 1
+    expert = torch.tensor([[[1], [0]], [[0], [1]]])
+    kept = torch.ones_like(expert, dtype=torch.bool)
+    assert moe.dispatch_arrivals(expert, kept, 2, 0).tolist() == [1, 2]
+    assert moe.dispatch_arrivals(expert, kept, 2, 1).tolist() == [0, 3]
+    kept[1, 1, 0] = False  # group 1's token 1 was dropped: it never travels
+    assert moe.dispatch_arrivals(expert, kept, 2, 1).tolist() == [0]
+
+
+def test_identify_rows_names_each_copied_row_and_refuses_ambiguity():
+    tokens = torch.tensor([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]])
+    assert moe.identify_rows(tokens[[2, 0, 2]], tokens).tolist() == [2, 0, 2]
+    assert moe.identify_rows(torch.tensor([[3.0, 4.5]]), tokens).tolist() == [-1]  # a copy of no token
+    assert moe.identify_rows(tokens[:1], torch.cat([tokens, tokens[:1]])).tolist() == [-1]  # of two
+
+
 def test_groups_must_divide_the_tokens():
     layer = moe.MoELayer(CFG, groups=3)
     with pytest.raises(ValueError, match="groups=3 must divide the 16 tokens"):
@@ -106,6 +123,37 @@ def _expert_parallel_step(cfg, x, y):
     moe.finish_gradients(model)
     dropped = [layer.stats["dropped"] for layer in model.moe_layers()]
     return logits.detach(), loss.item(), dropped, {n: p.grad for n, p in model.named_parameters()}
+
+
+@ipp.interactive
+def _dispatch_one_layer(cfg, h):
+    import torch
+    from torch import distributed
+
+    from helpers import moe
+
+    ep, rank = distributed.get_world_size(), distributed.get_rank()
+    layer = moe.ExpertParallelMoE.from_layer(moe.MoEGPT(cfg, seed=0).blocks[0].mlp, rank, ep)
+    with torch.no_grad():
+        layer(h[rank * len(h) // ep:(rank + 1) * len(h) // ep])
+    return layer.stats
+
+
+def test_dispatch_delivers_the_rows_the_single_process_routes_to_each_rank(ranks):
+    h = torch.randn(4, CFG.seq_len, CFG.d_model, generator=torch.Generator().manual_seed(1))
+    reference = moe.MoEGPT(CFG, seed=0, groups=2).blocks[0].mlp
+    with torch.no_grad():
+        reference(h)
+    kept, n = reference.stats["kept"], CFG.n_experts // 2
+    crossed = 0
+    for r, stats in enumerate(ranks.apply(_dispatch_one_layer, CFG, h)):
+        assert stats["send"].tolist() == kept[r].view(2, n).sum(-1).tolist()
+        assert stats["from_ranks"].tolist() == kept[:, r * n:(r + 1) * n].tolist()
+        arrived = moe.identify_rows(stats["arrived"], h.reshape(-1, CFG.d_model))
+        want = moe.dispatch_arrivals(reference.stats["expert"], reference.stats["kept_mask"], CFG.n_experts, r)
+        assert arrived.tolist() == want.tolist()
+        crossed += int((arrived // (2 * CFG.seq_len) != r).sum())
+    assert crossed > 0  # rows really travelled between the ranks
 
 
 def test_two_ranks_match_the_single_process(ranks):
