@@ -14,25 +14,42 @@ A checker that accepts a wrong answer fails the build, so a reader can trust a c
 
 from __future__ import annotations
 
+import contextlib
+import io
 from typing import Callable
 
 from .checks import RESULTS, CheckFailed, CheckResult, _where
 
 
+def _speaks() -> bool:
+    """Whether this process prints: the kernel, or rank 0 when every rank runs the exercise (``%%px``)."""
+    try:
+        import torch.distributed as dist
+    except ImportError:
+        return True
+    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+
+
 def verify(exercise: str, checker: Callable, *, solution, wrong: dict[str, object]) -> None:
-    """The checker accepts ``solution`` and rejects every answer in ``wrong`` (label -> answer)."""
+    """The checker accepts ``solution`` and rejects every answer in ``wrong`` (label -> answer).
+
+    On ranks, only rank 0 prints (the page would otherwise show every line once per rank); every rank still
+    runs the checker, and a rank whose checker fails raises.
+    """
     if not wrong:
         raise ValueError(f"exercise {exercise!r}: give at least one wrong answer the checker must reject")
-    checker(solution)
-    for label, answer in wrong.items():
-        before = len(RESULTS)
-        try:
-            checker(answer)
-        except CheckFailed as err:
-            # the planted failure is expected: keep one passing row instead of the failed ones
-            del RESULTS[before:]
-            RESULTS.append(CheckResult(f"exercise {exercise}: rejects '{label}'", _where(), 0.0, 0.0,
-                                       "must reject", True))
-            print(f"ok  the checker rejects '{label}': {str(err).splitlines()[0][:160]}")
-            continue
-        raise CheckFailed(f"exercise {exercise!r}: the checker accepted a wrong answer ('{label}')")
+    quiet = contextlib.nullcontext() if _speaks() else contextlib.redirect_stdout(io.StringIO())
+    with quiet:
+        checker(solution)
+        for label, answer in wrong.items():
+            before = len(RESULTS)
+            try:
+                checker(answer)
+            except CheckFailed as err:
+                # the planted failure is expected: keep one passing row instead of the failed ones
+                del RESULTS[before:]
+                RESULTS.append(CheckResult(f"exercise {exercise}: rejects '{label}'", _where(), 0.0, 0.0,
+                                           "must reject", True))
+                print(f"ok  the checker rejects '{label}': {str(err).splitlines()[0][:160]}")
+                continue
+            raise CheckFailed(f"exercise {exercise!r}: the checker accepted a wrong answer ('{label}')")
