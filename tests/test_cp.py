@@ -1,8 +1,11 @@
-"""Context parallelism (chapter 07): layouts, the online-softmax merge, the byte formulas, and one run on two ranks.
+"""Context parallelism (chapter 07): layouts, the parts of each block ring attention computes, the online-softmax
+merge, the byte formulas, and one run on two ranks.
 
-The layout, merge and formula tests run in this process. The distributed test starts two ranks, runs ring and
+The layout, block, merge and formula tests run in this process. The distributed test starts two ranks, runs ring and
 Ulysses attention (forward and backward, causal and not, both layouts) on each, and compares what they return with
-PyTorch's single-process attention here.
+PyTorch's single-process attention here, the FLOPs the ring really ran with the parts it should compute, the order
+of its transfers and computations, and the bytes: the ring's as counted by the ledger, Ulysses' from the
+all-to-alls torch ran.
 """
 
 import ipyparallel as ipp
@@ -44,6 +47,41 @@ def test_the_ranks_positions_cover_the_sequence_once(kind, degree):
     assert sum(pairs) == 16 * 17 // 2
     if kind == "zigzag":
         assert len(set(pairs)) == 1
+
+
+def _computed(layout, rank, causal=True):
+    """Every (query, key) position pair ``rank`` computes, once per part that computes it."""
+    pairs = []
+    for owner in range(layout.cp):
+        for rows, cols in cp.score_blocks(layout, rank, owner, causal):
+            part = [(p, k) for p in layout.positions(rank)[rows].tolist() for k in layout.positions(owner)[cols].tolist()]
+            assert any(k <= p for p, k in part) or not causal, f"rank {rank} computes a part entirely in the future"
+            pairs += part
+    return pairs
+
+
+@pytest.mark.parametrize("kind", ["contiguous", "zigzag"])
+@pytest.mark.parametrize("degree", [1, 2, 4])
+@pytest.mark.parametrize("causal", [False, True])
+def test_the_parts_computed_cover_every_pair_the_mask_keeps_once(kind, degree, causal):
+    layout = cp.CPLayout(32, degree, kind)
+    for rank in range(degree):
+        computed = _computed(layout, rank, causal)
+        assert len(computed) == len(set(computed)), "a pair computed twice"
+        kept = {(p, k) for p in layout.positions(rank).tolist() for k in range(32) if k <= p or not causal}
+        assert kept <= set(computed), "a pair the mask keeps is never computed"
+
+
+@pytest.mark.parametrize("degree", [2, 4, 8])
+def test_zigzag_half_blocks_balance_the_work_and_the_other_ways_do_not(degree):
+    s = 64
+    half_block, even = (s // (2 * degree)) ** 2, s * (s + 1) / (2 * degree)
+    zigzag, contiguous = ([len(_computed(cp.CPLayout(s, degree, kind), r)) for r in range(degree)]
+                          for kind in ("zigzag", "contiguous"))
+    assert all(abs(n - even) <= half_block for n in zigzag), (zigzag, even, half_block)
+    assert max(abs(n - even) for n in contiguous) > half_block
+    whole_blocks = degree * (s // degree) ** 2  # every block computed whole and masked: "balanced", and too much
+    assert whole_blocks - even > half_block
 
 
 def _reference(q, k, v, causal, upstream):
@@ -112,6 +150,7 @@ def test_ulysses_sends_less_per_rank_as_the_degree_grows_and_the_ring_more():
 @ipp.interactive  # sent by value: the engines cannot import this test module
 def _attention_on_this_rank(q, k, v, upstream, kind, causal):
     import torch.distributed as dist
+    from torch.utils.flop_counter import FlopCounterMode
 
     from helpers import cp
     from helpers.ledger import LEDGER
@@ -120,24 +159,42 @@ def _attention_on_this_rank(q, k, v, upstream, kind, causal):
     layout = cp.CPLayout(q.shape[2], dist.get_world_size(), kind)
     mine = layout.positions(rank)
     results = {}
-    for name, attention, booked_as in (("ring", cp.ring_attention, "ring attention"),
-                                       ("ulysses", cp.ulysses_attention, "all_to_all")):
+    for name, attention in (("ring", cp.ring_attention), ("ulysses", cp.ulysses_attention)):
         LEDGER.clear()
+        cp.EVENTS.clear()
         local = [t.index_select(2, mine).clone().requires_grad_() for t in (q, k, v)]
-        out = attention(*local, layout, causal)
-        out.backward(upstream.index_select(2, mine))
-        results[name] = ([out.detach()] + [t.grad for t in local], LEDGER.totals(booked_as)[0])
-    return mine, results
+        with cp.TorchCollectives() as ran, FlopCounterMode(display=False) as flops:
+            out = attention(*local, layout, causal)
+            out.backward(upstream.index_select(2, mine))
+        counted = sum(m.nbytes for m in LEDGER.messages if m.counted and m.direction == "send")
+        results[name] = ([out.detach()] + [t.grad for t in local], counted, ran.calls, flops.get_total_flops(),
+                         list(cp.EVENTS))
+    return rank, mine, results
 
 
 @pytest.mark.parametrize("kind", ["contiguous", "zigzag"])
 @pytest.mark.parametrize("causal", [False, True])
 def test_two_ranks_match_the_single_process(ranks, kind, causal):
     q, k, v, upstream = _inputs()
+    b, h, s, d = q.shape
     want = _reference(q, k, v, causal, upstream)
-    for mine, results in ranks.apply(_attention_on_this_rank, q, k, v, upstream, kind, causal):
-        for name, (got, sent) in results.items():
+    layout = cp.CPLayout(s, 2, kind)
+    for rank, mine, results in ranks.apply(_attention_on_this_rank, q, k, v, upstream, kind, causal):
+        for name, (got, counted, calls, flops, events) in results.items():
             for g, w in zip(got, want):
                 torch.testing.assert_close(g, w.index_select(2, mine), rtol=1e-12, atol=1e-13, msg=name)
-            formula = cp.ring_bytes(2, 12, 2, 8, 2, 8) if name == "ring" else cp.ulysses_bytes(2, 12, 4, 2, 8, 2, 8)
-            assert sent == formula, name
+            if name == "ring":
+                assert counted == cp.ring_bytes(2, 12, 2, 8, 2, 8)
+                assert {op for op, *_ in calls} == {"send", "recv_"}
+                scores = sum((rows.stop - rows.start) * (cols.stop - cols.start) for owner in range(2)
+                             for rows, cols in cp.score_blocks(layout, rank, owner, causal))
+                assert flops == (4 + 10) * d * b * h * scores  # forward QKᵀ, PV; backward five products
+                t = {(what, step, event): when for what, step, event, when in events}
+                for what in ("forward", "backward"):  # the K/V transfer runs while step 0 is computed
+                    assert t[f"{what} K/V", 0, "posted"] <= t[what, 0, "compute"]
+                    assert t[what, 0, "computed"] <= t[f"{what} K/V", 0, "arrived"]
+            else:
+                assert counted == 0  # Ulysses' all-to-alls are torch's: booked, not counted
+                assert [op for op, *_ in calls] == ["alltoall_base_"] * 8
+                sent = sum(sizes[-1] * element_size / 2 for _, _, sizes, element_size in calls)
+                assert sent == cp.ulysses_bytes(2, 12, 4, 2, 8, 2, 8)
