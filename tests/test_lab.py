@@ -81,7 +81,9 @@ def test_the_ipynb_pair_runs_to_the_same_checks_as_the_md():
     rows = [l for l in shown if l.startswith("| ")]
     assert rows and all(l.rstrip().endswith("| yes |") for l in rows), f"the .md's table of checks: {rows}"
     assert len(shown) > len(rows) > 0, "the .md printed no `ok` line"
-    assert checks_shown(from_ipynb) == shown
+    got = checks_shown(from_ipynb)
+    assert got == shown, (f"the .ipynb pair shows other checks than the .md: missing "
+                          f"{[l for l in shown if l not in got][:5]}, extra {[l for l in got if l not in shown][:5]}")
     assert sorted(os.listdir(notebooks)) == before, "the test left files in notebooks/"
 
 
