@@ -1,13 +1,20 @@
-"""A Sphinx extension for the book's HTML: each script once per page.
+"""A Sphinx extension for the book's HTML: each script once per page, and every chapter's notebook to download.
 
 Under Jupyter Book, sphinx-thebe's ``env-before-read-docs`` handler runs twice and adds its inline
 configuration twice; two ``const THEBE_JS_URL`` declarations are a JavaScript SyntaxError on every page (the
 browser test in ``tests/test_browser.py`` fails on it). Dropping repeated script entries, identical in source and
 attributes (an inline script with no file name is one whether the name is None or ""), keeps the first of each
 and changes nothing else.
+
+sphinx-book-theme offers a page's executed ``.ipynb`` for download (beside its ``.md``) only when a launch
+service (Binder, Colab, Thebe, ...) is configured; the book configures none, since it runs with no network.
+:func:`_offer_the_notebook` copies the executed notebook into ``_sources`` and tells the theme, as it would have.
 """
 
 from __future__ import annotations
+
+import shutil
+from pathlib import Path
 
 
 def _script_key(script) -> tuple:
@@ -25,6 +32,21 @@ def _each_script_once(app, pagename, templatename, context, doctree) -> None:
     context["script_files"] = unique
 
 
+def _offer_the_notebook(app, pagename, templatename, context, doctree) -> None:
+    """Put a notebook page's executed .ipynb in _sources, so that the download menu offers it."""
+    if context.get("ipynb_source") or "kernelspec" not in app.env.metadata.get(pagename, {}):
+        return
+    executed = Path(app.outdir).parent / "jupyter_execute" / f"{pagename}.ipynb"
+    if not executed.exists():
+        return
+    target = Path(app.outdir) / "_sources" / f"{pagename}.ipynb"
+    target.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copy2(executed, target)
+    context["ipynb_source"] = f"{pagename}.ipynb"
+
+
 def setup(app):
     app.connect("html-page-context", _each_script_once, priority=900)
+    # before the theme's header buttons (priority 501) read ipynb_source
+    app.connect("html-page-context", _offer_the_notebook, priority=500)
     return {"parallel_read_safe": True, "parallel_write_safe": True}

@@ -14,7 +14,6 @@ import tempfile
 
 import jupytext
 import nbformat
-import pytest
 import yaml
 from nbclient import NotebookClient
 
@@ -105,7 +104,6 @@ print(6 * 7)
 """
 
 
-@pytest.mark.xfail(strict=True, reason="needs the .ipynb download handler in helpers/sphinx_fixes.py")
 def test_the_html_offers_the_ipynb_and_the_md_for_download():
     with tempfile.TemporaryDirectory(prefix="book-download-") as tmp:
         book = os.path.join(tmp, "book")
