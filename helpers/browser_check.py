@@ -8,6 +8,7 @@ network. A page fails on:
 - a console error or an uncaught JavaScript exception;
 - a request for anything but a local file (a CDN, a font server, analytics);
 - a local file that does not load (an image, a script, a style sheet) or an image with no pixels;
+- a figure without alt text, or whose alt text is only its file name (myst-nb names output images by hash);
 - a formula left as raw TeX (an element of class ``math`` that MathJax did not typeset);
 - an internal link to a page that does not exist, or to an anchor that page does not have;
 - a menu button (☰) that does not open the chapter list on a phone or hide it on a laptop;
@@ -141,6 +142,10 @@ _INSPECT = """async (phone) => {
   const maths = [...article.querySelectorAll('.math')];
   const raw = maths.filter(m => !m.querySelector('mjx-container'));
   const images = [...document.querySelectorAll('img')].filter(i => !(i.complete && i.naturalWidth > 0));
+  const unnamed = [...article.querySelectorAll('img')].filter(i => {
+    const alt = (i.getAttribute('alt') || '').trim(), file = (i.getAttribute('src') || '').split('/').pop();
+    return !alt || alt.split('/').pop() === file || /^[0-9a-f]{16,}(\.\w+)?$/i.test(alt.split('/').pop());
+  }).map(i => i.getAttribute('src'));
   const wide = [];
   for (const el of article.querySelectorAll('pre, table')) {
     if (el.closest('.math') || !(el.offsetWidth || el.offsetHeight)) continue;
@@ -154,7 +159,7 @@ _INSPECT = """async (phone) => {
     }
   }
   return {raw: raw.map(m => m.textContent.slice(0, 50)), hasMath: maths.length,
-          mathjax: !!window.MathJax, images: images.map(i => i.getAttribute('src')),
+          mathjax: !!window.MathJax, images: images.map(i => i.getAttribute('src')), unnamed,
           links: [...document.querySelectorAll('a[href], link[href]')].map(a => a.href), wide};
 }"""
 
@@ -242,6 +247,8 @@ def _check_page(context, root, rel, width, leaving, anchors, screenshots) -> Pag
         fail(f"local file does not load: {os.path.relpath(urllib.parse.unquote(url[7:]), root)}")
     for src in found["images"]:
         fail(f"image does not load: {src}")
+    for src in found["unnamed"]:
+        fail(f"figure without alt text: {src}")
     if found["hasMath"] and not found["mathjax"]:
         fail(f"{found['hasMath']} formulas and no MathJax on the page")
     for tex in found["raw"][:5]:

@@ -81,6 +81,14 @@ def test_a_deleted_figure_is_caught(copy):
     assert f"image does not load: ../{figure}" in found, found
 
 
+def test_a_figure_without_alt_text_is_caught(copy):
+    root, edit = copy
+    edit(lambda html: re.sub(r'(<img[^>]+)alt="[^"]*"', lambda m: m.group(1) + 'alt="0123456789abcdef0123.png"',
+                             html, count=1))
+    found = "\n".join(failures(root))
+    assert "figure without alt text: ../_images/" in found, found
+
+
 def test_a_broken_link_is_caught(copy):
     root, edit = copy
     edit(lambda html: html.replace('href="../book/roadmap.html"', 'href="../book/roadmap.html#no-such-anchor"', 1)
