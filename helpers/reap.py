@@ -41,11 +41,20 @@ def describe(pid: int) -> str:
         return str(pid)
 
 
-def end_descendants(grace_s: float = 3.0) -> list[str]:
-    """SIGTERM every descendant, then SIGKILL what is still there after ``grace_s``."""
+def end_descendants(grace_s: float = 3.0, exiting_s: float = 2.0) -> list[str]:
+    """SIGTERM every descendant, then SIGKILL what is still there after ``grace_s``.
+
+    Helpers that exit when their parent does (multiprocessing's forkserver and resource tracker see their pipe
+    close) get ``exiting_s`` to do so first: they are not "left behind".
+    """
     me = os.getpid()
-    _reap_zombies()  # orphans that already exited are not "left behind"
-    left = descendants(me)
+    deadline = time.monotonic() + exiting_s
+    while True:
+        _reap_zombies()  # orphans that already exited are not "left behind"
+        left = descendants(me)
+        if not left or time.monotonic() >= deadline:
+            break
+        time.sleep(0.1)
     ended = [describe(p) for p in left]
     for sig in (signal.SIGTERM, signal.SIGKILL):
         for pid in left:
