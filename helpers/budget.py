@@ -458,6 +458,20 @@ def model_state_bytes(n_params: int, dp: int, zero: int, precision: Precision) -
             precision.k * (shard if zero >= 1 else n_params))
 
 
+def micro_batches_in_flight(schedule: str, pp: int, vpp: int, m: int, stage: int) -> float:
+    """How many micro-batches' worth of its activations pipeline stage ``stage`` holds at its peak.
+
+    GPipe keeps all ``m``; 1F1B keeps ``pp - stage`` (Narayanan et al. 2021). Interleaved 1F1B keeps
+    ``2(pp-1-stage) + (vpp-1)·pp + 1`` chunks, each ``1/vpp`` of the stage; on the first stage that is
+    ``pp + (pp-1)/vpp``, Korthikanti et al. (2022), eq. 5. Chapter 06 measures these peaks on every rank.
+    """
+    if schedule == "gpipe":
+        return m
+    if vpp == 1:
+        return min(pp - stage, m)
+    return min(2 * (pp - 1 - stage) + (vpp - 1) * pp + 1, vpp * m) / vpp
+
+
 def budget(model: ModelShape, batch: Batch, layout: Layout, precision: Precision = BF16,
            act: ActivationModel = ActivationModel(), world_size: int | None = None,
            stage: int | None = None) -> Budget:
@@ -472,12 +486,6 @@ def budget(model: ModelShape, batch: Batch, layout: Layout, precision: Precision
     dense_layer = layer_activation_bytes(model, batch.seq_len, batch.micro_batch, act, P, L.tp, L.sp, L.cp)
     moe_layer = layer_activation_bytes(model, batch.seq_len, batch.micro_batch, act, P, L.tp, L.sp, L.cp,
                                        moe=True)
-    # micro-batches whose activations the first stage holds at once (Narayanan et al. 2021; Korthikanti
-    # et al. 2022, eq. 5 for the interleaved schedule)
-    if L.schedule == "gpipe":
-        in_flight = m
-    else:
-        in_flight = min(L.pp, m) * (1 + (L.pp - 1) / (L.pp * L.vpp)) if L.vpp > 1 else min(L.pp, m)
     worst = None
     if stage is not None and not 0 <= stage < L.pp:
         raise ValueError(f"stage {stage} does not exist with pp={L.pp}")
@@ -485,7 +493,7 @@ def budget(model: ModelShape, batch: Batch, layout: Layout, precision: Precision
     for index, (dense, expert) in enumerate(_stage_params(model, L)):
         n_moe = _moe_layers_in(model, ranges[index])
         acts = (len(ranges[index]) - n_moe) * dense_layer + n_moe * moe_layer
-        acts = int(acts * (in_flight if index == 0 else min(L.pp - index, m) if L.schedule != "gpipe" else m))
+        acts = int(acts * micro_batches_in_flight(L.schedule, L.pp, L.vpp, m, index))
         state = [a + b for a, b in zip(model_state_bytes(dense, dense_dp, L.zero, P),
                                         model_state_bytes(expert, expert_dp, L.zero, P))]
         candidate = (sum(state) + acts, dense, expert, state, acts)

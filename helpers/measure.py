@@ -38,7 +38,8 @@ def saved_tensors(fn, module: torch.nn.Module | None = None) -> dict[int, tuple[
         storage = _local(t).untyped_storage()
         if storage.data_ptr() not in params:
             saved[storage.data_ptr()] = (storage.nbytes(), tuple(t.shape), t.dtype)
-        return t
+        # not t itself: a saved output refers to its own graph node, which would then never be freed
+        return t.detach()
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         fn()

@@ -120,6 +120,17 @@ def test_sequence_parallel_sends_the_backward_regathers_too():
     assert sp.activation_bytes < tp.activation_bytes
 
 
+def test_interleaved_stages_hold_fewer_chunks_down_the_pipeline():
+    """Chapter 06 measures 11, 9, 7, 5 chunks on p=4, v=2, m=8; the first stage is Korthikanti's eq. 5."""
+    assert [B.micro_batches_in_flight("1f1b", 4, 2, 8, r) * 2 for r in range(4)] == [11, 9, 7, 5]
+    assert B.micro_batches_in_flight("1f1b", 4, 2, 8, 0) == 4 * (1 + 3 / 8)
+    assert [B.micro_batches_in_flight("1f1b", 4, 1, 8, r) for r in range(4)] == [4, 3, 2, 1]
+    assert B.micro_batches_in_flight("gpipe", 4, 1, 8, 3) == 8
+    model, batch = B.LLAMA3_8B, B.Batch(4096, 1, 8)
+    acts = [B.budget(model, batch, B.Layout(pp=4, vpp=2), stage=r).activation_bytes for r in range(4)]
+    assert [round(a / acts[3] * 5, 6) for a in acts] == [11, 9, 7, 5]
+
+
 def test_uneven_pipeline_stages():
     assert [len(r) for r in B.stage_layers(126, 16)] == [8] * 14 + [7] * 2
     b = B.budget(B.LLAMA3_405B, B.Batch(8192, 1, 2048), B.Layout(dp=128, tp=8, pp=16, vpp=2, sp=True, zero=1))
