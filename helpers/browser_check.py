@@ -144,7 +144,7 @@ _INSPECT = """async (phone) => {
   const images = [...document.querySelectorAll('img')].filter(i => !(i.complete && i.naturalWidth > 0));
   const unnamed = [...article.querySelectorAll('img')].filter(i => {
     const alt = (i.getAttribute('alt') || '').trim(), file = (i.getAttribute('src') || '').split('/').pop();
-    return !alt || alt.split('/').pop() === file || /^[0-9a-f]{16,}(\.\w+)?$/i.test(alt.split('/').pop());
+    return !alt || alt.split('/').pop() === file || /^[0-9a-f]{16,}(\\.\\w+)?$/i.test(alt.split('/').pop());
   }).map(i => i.getAttribute('src'));
   const wide = [];
   for (const el of article.querySelectorAll('pre, table')) {
