@@ -20,7 +20,7 @@ NPROC ?= 4
 CH ?= 00
 
 # Every command that may start ranks runs under the reaper: whatever it leaves alive is ended.
-REAP := $(PY) -m helpers.reap --
+REAP := $(PY) -m helpers.tools.reap --
 
 .PHONY: build test unit browser chapter torchrun lab sync clean venv
 
@@ -37,23 +37,23 @@ $(STAMP): requirements.txt
 # A clean build every time: an incremental build skips unchanged pages and would not re-execute them.
 build: $(STAMP)
 	rm -rf _build
-	$(REAP) $(PY) -m helpers.build .
+	$(REAP) $(PY) -m helpers.tools.build .
 	@echo "HTML: _build/html/index.html"
 
 unit: $(STAMP)
 	$(REAP) $(PY) -m pytest -q tests --ignore=tests/browser
 
-# Headless Chromium opens every built page offline at 1280 and 390 px (helpers/browser_check.py).
+# Headless Chromium opens every built page offline at 1280 and 390 px (helpers/tools/browser_check.py).
 browser: $(STAMP)
 	$(REAP) $(PY) -m pytest -q -rs tests/browser
 
 test: unit build browser
 
 chapter: $(STAMP)
-	$(REAP) $(PY) -m helpers.run_chapter $(CH)
+	$(REAP) $(PY) -m helpers.tools.run_chapter $(CH)
 
 torchrun: $(STAMP)
-	$(REAP) $(PY) -m helpers.px_script $(CH) --nproc $(NPROC)
+	$(REAP) $(PY) -m helpers.tools.px_script $(CH) --nproc $(NPROC)
 
 sync: $(STAMP)
 	$(VENV)/bin/jupytext --sync notebooks/[0-9][0-9]_*.md

@@ -28,7 +28,7 @@ class CheckFailed(AssertionError):
 
     def _render_traceback_(self) -> list[str]:
         """What IPython shows: the message, which says what failed and by how much, without the checks' frames."""
-        from .errors import full_tracebacks
+        from helpers.errors import full_tracebacks
 
         if full_tracebacks():
             import traceback

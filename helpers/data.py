@@ -4,7 +4,7 @@ The corpus is lines like ``482+39=521`` drawn from a seeded generator, so nothin
 build sees the same tokens. It is learnable (the digits after ``=`` follow from those before it), which lets
 later chapters show a loss that falls, and small enough to tokenize in milliseconds.
 
-``batch(tokens, step, batch_size, seq_len, seed)`` returns the *global* batch of a step: inputs and next-token
+``get_batch(tokens, step, batch_size, seq_len, seed)`` returns the *global* batch of a step: inputs and next-token
 targets of shape (batch_size, seq_len), the same on every rank and in the kernel. A data-parallel rank takes its
 own rows of it with :func:`rank_rows`.
 """
@@ -37,7 +37,7 @@ def make_tokens(n_lines: int = 4096, seed: int = 0) -> torch.Tensor:
     return encode(sums_text(n_lines, seed))
 
 
-def batch(tokens: torch.Tensor, step: int, batch_size: int, seq_len: int, seed: int = 0):
+def get_batch(tokens: torch.Tensor, step: int, batch_size: int, seq_len: int, seed: int = 0):
     """The global batch for ``step``: ``batch_size`` windows of ``seq_len + 1`` tokens at seeded offsets."""
     if tokens.numel() <= seq_len + 1:
         raise ValueError(f"a corpus of {tokens.numel()} tokens is too short for windows of {seq_len + 1}")

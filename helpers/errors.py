@@ -6,11 +6,11 @@ paths and the frames of the book's checking code, and the message that matters c
 
     on rank 1: CheckFailed: check 'planted rank mismatch' failed on rank 1: max abs error 1.500e+00 ...
     on ranks 0, 2, 3: RuntimeError: ... Timed out waiting 5000ms ...
-        at helpers/collectives.py:57, in ring_all_reduce
+        at helpers/parallel/collectives.py:57, in ring_all_reduce
 
 one line per distinct error with the ranks that raised it; for any error but a failed check, the innermost frame
 of the book's own code, as a path inside the repository. Errors in the kernel itself show as ``Name: message``
-(IPython's ``Minimal`` mode). The build still fails exactly as before, and its log (``helpers/build.py``) reads
+(IPython's ``Minimal`` mode). The build still fails exactly as before, and its log (``helpers/tools/build.py``) reads
 the same lines. ``BOOK_FULL_TRACEBACKS=1`` keeps every traceback whole, for debugging.
 """
 
@@ -19,7 +19,7 @@ from __future__ import annotations
 import os
 import re
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from helpers import ROOT
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 _FRAME = re.compile(r"File \"?([^\s\",]+)\"?(?:, line |:)(\d+)(?:,)? in ([\w.<>]+)")
 

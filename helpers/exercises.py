@@ -18,7 +18,7 @@ import contextlib
 import io
 from typing import Callable
 
-from .checks import RESULTS, CheckFailed, CheckResult, _where
+from helpers.checks import RESULTS, CheckFailed, CheckResult, _where
 
 
 def _speaks() -> bool:

@@ -55,7 +55,7 @@ def saved_bytes_per_layer(cfg, micro_batch: int, seq_len: int, materialized: boo
     """Bytes one transformer layer of the book's GPT saves: a 2-layer model's minus a 1-layer model's."""
     from dataclasses import replace
 
-    from .model import GPT
+    from helpers.model import GPT
 
     totals = []
     for n_layers in (1, 2):

@@ -10,7 +10,7 @@ Three things make sure no engine outlives the notebook:
 - the collective timeout (see :mod:`helpers.dist`) is shorter than a cell's timeout, so a rank stuck in a
   collective raises instead of hanging the cell;
 - ``ranks.stop()`` runs when the kernel exits (atexit), and when ``start_ranks`` is called again;
-- a small janitor process (:mod:`helpers.janitor`) kills the engines and the controller if the kernel dies
+- a small janitor process (:mod:`helpers.tools.janitor`) kills the engines and the controller if the kernel dies
   without running atexit (killed, or restarted from JupyterLab).
 
 Nothing else outlives it either: the rendezvous file and the IPython profile the controller and engines write
@@ -30,8 +30,9 @@ import sys
 import tempfile
 import time
 
-from . import dist as book_dist
-from . import errors as book_errors
+from helpers import ROOT
+from helpers import dist as book_dist
+from helpers import errors as book_errors
 
 _current: "Ranks | None" = None
 
@@ -176,11 +177,11 @@ def start_ranks(world_size: int = 4, *, timeout_s: float | None = None, activate
         controller_pid = cluster.controller.process.pid
         engine_pids = client[:].apply_sync(os.getpid)
         janitor = subprocess.Popen(
-            [sys.executable, "-m", "helpers.janitor", "--remove", run_dir, str(os.getpid()),
+            [sys.executable, "-m", "helpers.tools.janitor", "--remove", run_dir, str(os.getpid()),
              str(controller_pid), *map(str, engine_pids)],
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
             start_new_session=True,
-            cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+            cwd=ROOT,
         )
         workdir = os.getcwd()
         threads = max(1, (os.cpu_count() or 1) // world_size)

@@ -7,13 +7,13 @@ import sys
 
 from test_ranks import book_processes, wait_until_gone
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from helpers import ROOT
 BOOKS = os.path.join(ROOT, "tests", "books")
 
 
 def build(source: str, out: str) -> subprocess.CompletedProcess:
-    """Build as `make build` does: under the reaper, through helpers.build (-W -n --keep-going)."""
-    cmd = [sys.executable, "-m", "helpers.reap", "--", sys.executable, "-m", "helpers.build", source,
+    """Build as `make build` does: under the reaper, through helpers.tools.build (-W -n --keep-going)."""
+    cmd = [sys.executable, "-m", "helpers.tools.reap", "--", sys.executable, "-m", "helpers.tools.build", source,
            "--path-output", out]
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
 

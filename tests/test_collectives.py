@@ -14,8 +14,8 @@ import socket
 import pytest
 import torch
 
-from helpers import ledger
-from helpers.ledger import AlphaBeta, bus_bandwidth, chunk_sizes, cost_terms, expected_bytes, fit
+from helpers.parallel import ledger
+from helpers.parallel.ledger import AlphaBeta, bus_bandwidth, chunk_sizes, cost_terms, expected_bytes, fit
 
 WORLD_SIZE = 4
 SIZES = (3, 10, 17)  # fewer elements than ranks, uneven, prime
@@ -148,7 +148,7 @@ def _ring_all_reduce_missing_chunk(tensor):
     """A ring all-reduce whose all-gather stops one step early."""
     import torch.distributed as dist
 
-    from helpers import collectives
+    from helpers.parallel import collectives
 
     rank, size = dist.get_rank(), dist.get_world_size()
     chunks = list(tensor.clone().tensor_split(size))
@@ -164,10 +164,10 @@ def _worker(rank, world_size, port, out_dir):
     torch.set_num_threads(1)
     import torch.distributed as dist
 
-    from helpers import collectives
+    from helpers.parallel import collectives
     from helpers.checks import CheckFailed, check_equal
     from helpers.dist import init_process_group
-    from helpers.ledger import LEDGER
+    from helpers.parallel.ledger import LEDGER
 
     init_process_group(timeout_s=30)
     found = {"values": {}, "bytes": {}, "broken": {}}

@@ -13,37 +13,37 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from helpers import budget as B
-from helpers import cp
+from helpers import memory_budget, model_size
+from helpers.parallel import context_parallel
 from helpers.model import GPTConfig
 
 
 @pytest.mark.parametrize("seq_len, degree, kind, message", [
     (32, 3, "contiguous", "cp=3 must divide seq_len=32"),
-    (36, 4, "zigzag", r"2\*cp=8 \(the zig-zag chunks\) must divide seq_len=36"),
+    (36, 4, "zigzag", r"2\*cp=8 must divide seq_len=36: the zig-zag"),
     (32, 0, "contiguous", "cp must be at least 1"),
     (32, 2, "striped", "the layout must be"),
 ])
 def test_a_bad_layout_names_the_broken_constraint(seq_len, degree, kind, message):
     with pytest.raises(ValueError, match=message):
-        cp.CPLayout(seq_len, degree, kind)
+        context_parallel.CPLayout(seq_len, degree, kind)
 
 
 @pytest.mark.parametrize("n_heads, n_kv_heads, degree, message", [
     (8, 4, 3, "cp=3 must divide n_heads=8"), (8, 4, 8, "cp=8 must divide n_kv_heads=4")])
 def test_ulysses_refuses_a_degree_that_does_not_divide_the_heads(n_heads, n_kv_heads, degree, message):
     with pytest.raises(ValueError, match=message):
-        cp.check_heads(n_heads, n_kv_heads, degree)
-    cp.check_heads(n_heads, n_kv_heads, 4)
+        context_parallel.check_heads(n_heads, n_kv_heads, degree)
+    context_parallel.check_heads(n_heads, n_kv_heads, 4)
 
 
 @pytest.mark.parametrize("kind", ["contiguous", "zigzag"])
 @pytest.mark.parametrize("degree", [1, 2, 4])
 def test_the_ranks_positions_cover_the_sequence_once(kind, degree):
-    layout = cp.CPLayout(16, degree, kind)
+    layout = context_parallel.CPLayout(16, degree, kind)
     held = torch.cat([layout.positions(r) for r in range(degree)])
     assert torch.equal(held.sort().values, torch.arange(16))
-    pairs = [cp.causal_pairs(layout, r) for r in range(degree)]
+    pairs = [context_parallel.causal_pairs(layout, r) for r in range(degree)]
     assert sum(pairs) == 16 * 17 // 2
     if kind == "zigzag":
         assert len(set(pairs)) == 1
@@ -53,7 +53,7 @@ def _computed(layout, rank, causal=True):
     """Every (query, key) position pair ``rank`` computes, once per part that computes it."""
     pairs = []
     for owner in range(layout.cp):
-        for rows, cols in cp.score_blocks(layout, rank, owner, causal):
+        for rows, cols in context_parallel.score_blocks(layout, rank, owner, causal):
             part = [(p, k) for p in layout.positions(rank)[rows].tolist() for k in layout.positions(owner)[cols].tolist()]
             assert any(k <= p for p, k in part) or not causal, f"rank {rank} computes a part entirely in the future"
             pairs += part
@@ -64,7 +64,7 @@ def _computed(layout, rank, causal=True):
 @pytest.mark.parametrize("degree", [1, 2, 4])
 @pytest.mark.parametrize("causal", [False, True])
 def test_the_parts_computed_cover_every_pair_the_mask_keeps_once(kind, degree, causal):
-    layout = cp.CPLayout(32, degree, kind)
+    layout = context_parallel.CPLayout(32, degree, kind)
     for rank in range(degree):
         computed = _computed(layout, rank, causal)
         assert len(computed) == len(set(computed)), "a pair computed twice"
@@ -76,7 +76,7 @@ def test_the_parts_computed_cover_every_pair_the_mask_keeps_once(kind, degree, c
 def test_zigzag_half_blocks_balance_the_work_and_the_other_ways_do_not(degree):
     s = 64
     half_block, even = (s // (2 * degree)) ** 2, s * (s + 1) / (2 * degree)
-    zigzag, contiguous = ([len(_computed(cp.CPLayout(s, degree, kind), r)) for r in range(degree)]
+    zigzag, contiguous = ([len(_computed(context_parallel.CPLayout(s, degree, kind), r)) for r in range(degree)]
                           for kind in ("zigzag", "contiguous"))
     assert all(abs(n - even) <= half_block for n in zigzag), (zigzag, even, half_block)
     assert max(abs(n - even) for n in contiguous) > half_block
@@ -110,40 +110,40 @@ def test_blocks_merged_by_log_sum_exp_equal_attention_over_all_keys(causal):
     ke, ve = k.repeat_interleave(2, 1), v.repeat_interleave(2, 1)
     blocks = [pos[8:], pos[:3], pos[3:8]]  # any order, the future first
     for keys in blocks:
-        out, lse = cp.merge(out, lse, *cp.block_attention(q, ke[:, :, keys], ve[:, :, keys], pos, keys, causal))
+        out, lse = context_parallel.merge(out, lse, *context_parallel.block_attention(q, ke[:, :, keys], ve[:, :, keys], pos, keys, causal))
     torch.testing.assert_close(out, want_out, rtol=1e-12, atol=1e-13)
     delta = (upstream * out).sum(-1)
     dq = torch.zeros_like(q)
     for keys in blocks:
-        dq_block, dk, dv = cp.block_attention_backward(upstream, delta, q, ke[:, :, keys], ve[:, :, keys], lse, pos,
+        dq_block, dk, dv = context_parallel.block_attention_backward(upstream, delta, q, ke[:, :, keys], ve[:, :, keys], lse, pos,
                                                        keys, causal)
         dq += dq_block
-        torch.testing.assert_close(cp._fold(dk, 2), want_dk[:, :, keys], rtol=1e-12, atol=1e-13)
-        torch.testing.assert_close(cp._fold(dv, 2), want_dv[:, :, keys], rtol=1e-12, atol=1e-13)
+        torch.testing.assert_close(context_parallel._fold(dk, 2), want_dk[:, :, keys], rtol=1e-12, atol=1e-13)
+        torch.testing.assert_close(context_parallel._fold(dv, 2), want_dv[:, :, keys], rtol=1e-12, atol=1e-13)
     torch.testing.assert_close(dq, want_dq, rtol=1e-12, atol=1e-13)
 
 
 def test_a_merge_without_the_rescale_is_wrong():
     q, k, v, _ = _inputs()
     pos = torch.arange(12)
-    halves = [cp.block_attention(q, k.repeat_interleave(2, 1)[:, :, p], v.repeat_interleave(2, 1)[:, :, p], pos, p,
+    halves = [context_parallel.block_attention(q, k.repeat_interleave(2, 1)[:, :, p], v.repeat_interleave(2, 1)[:, :, p], pos, p,
                                  False) for p in (pos[:6], pos[6:])]
     want = _reference(q, k, v, False, torch.zeros_like(q))[0]
     assert not torch.allclose(halves[0][0] + halves[1][0], want, rtol=1e-3)
-    torch.testing.assert_close(cp.merge(*halves[0], *halves[1])[0], want, rtol=1e-12, atol=1e-13)
+    torch.testing.assert_close(context_parallel.merge(*halves[0], *halves[1])[0], want, rtol=1e-12, atol=1e-13)
 
 
 @pytest.mark.parametrize("degree", [2, 4, 8])
 def test_the_ring_formula_is_chapter_01s(degree):
     cfg = GPTConfig(vocab_size=16, seq_len=32, n_layers=2, d_model=64, n_heads=8, n_kv_heads=4, d_ff=256)
-    shape = B.ModelShape.from_gpt(cfg)
-    step = B.budget(shape, B.Batch(32, 8, 8), B.Layout(cp=degree), precision=B.FP32, act=B.ActivationModel())
-    assert cp.ring_bytes(8, 32, 4, 8, degree) == step.sent["cp"] / cfg.n_layers
+    shape = model_size.ModelShape.from_gpt(cfg)
+    step = memory_budget.budget(shape, model_size.Batch(32, 8, 8), memory_budget.Layout(cp=degree), precision=memory_budget.FP32, act=memory_budget.ActivationModel())
+    assert context_parallel.ring_bytes(8, 32, 4, 8, degree) == step.sent["cp"] / cfg.n_layers
 
 
 def test_ulysses_sends_less_per_rank_as_the_degree_grows_and_the_ring_more():
-    ring = [cp.ring_bytes(1, 4096, 8, 128, d) for d in (2, 4, 8)]
-    ulysses = [cp.ulysses_bytes(1, 4096, 32, 8, 128, d) for d in (2, 4, 8)]
+    ring = [context_parallel.ring_bytes(1, 4096, 8, 128, d) for d in (2, 4, 8)]
+    ulysses = [context_parallel.ulysses_bytes(1, 4096, 32, 8, 128, d) for d in (2, 4, 8)]
     assert ring == sorted(ring) and ulysses == sorted(ulysses, reverse=True)
 
 
@@ -152,23 +152,23 @@ def _attention_on_this_rank(q, k, v, upstream, kind, causal):
     import torch.distributed as dist
     from torch.utils.flop_counter import FlopCounterMode
 
-    from helpers import cp
-    from helpers.ledger import LEDGER
+    from helpers.parallel import context_parallel
+    from helpers.parallel.ledger import LEDGER
 
     rank = dist.get_rank()
-    layout = cp.CPLayout(q.shape[2], dist.get_world_size(), kind)
+    layout = context_parallel.CPLayout(q.shape[2], dist.get_world_size(), kind)
     mine = layout.positions(rank)
     results = {}
-    for name, attention in (("ring", cp.ring_attention), ("ulysses", cp.ulysses_attention)):
+    for name, attention in (("ring", context_parallel.ring_attention), ("ulysses", context_parallel.ulysses_attention)):
         LEDGER.clear()
-        cp.EVENTS.clear()
+        context_parallel.EVENTS.clear()
         local = [t.index_select(2, mine).clone().requires_grad_() for t in (q, k, v)]
-        with cp.TorchCollectives() as ran, FlopCounterMode(display=False) as flops:
+        with context_parallel.TorchCollectives() as ran, FlopCounterMode(display=False) as flops:
             out = attention(*local, layout, causal)
             out.backward(upstream.index_select(2, mine))
         counted = sum(m.nbytes for m in LEDGER.messages if m.counted and m.direction == "send")
         results[name] = ([out.detach()] + [t.grad for t in local], counted, ran.calls, flops.get_total_flops(),
-                         list(cp.EVENTS))
+                         list(context_parallel.EVENTS))
     return rank, mine, results
 
 
@@ -178,16 +178,16 @@ def test_two_ranks_match_the_single_process(ranks, kind, causal):
     q, k, v, upstream = _inputs()
     b, h, s, d = q.shape
     want = _reference(q, k, v, causal, upstream)
-    layout = cp.CPLayout(s, 2, kind)
+    layout = context_parallel.CPLayout(s, 2, kind)
     for rank, mine, results in ranks.apply(_attention_on_this_rank, q, k, v, upstream, kind, causal):
         for name, (got, counted, calls, flops, events) in results.items():
             for g, w in zip(got, want):
                 torch.testing.assert_close(g, w.index_select(2, mine), rtol=1e-12, atol=1e-13, msg=name)
             if name == "ring":
-                assert counted == cp.ring_bytes(2, 12, 2, 8, 2, 8)
+                assert counted == context_parallel.ring_bytes(2, 12, 2, 8, 2, 8)
                 assert {op for op, *_ in calls} == {"send", "recv_"}
                 scores = sum((rows.stop - rows.start) * (cols.stop - cols.start) for owner in range(2)
-                             for rows, cols in cp.score_blocks(layout, rank, owner, causal))
+                             for rows, cols in context_parallel.score_blocks(layout, rank, owner, causal))
                 assert flops == (4 + 10) * d * b * h * scores  # forward QKᵀ, PV; backward five products
                 t = {(what, step, event): when for what, step, event, when in events}
                 for what in ("forward", "backward"):  # the K/V transfer runs while step 0 is computed
@@ -197,4 +197,4 @@ def test_two_ranks_match_the_single_process(ranks, kind, causal):
                 assert counted == 0  # Ulysses' all-to-alls are torch's: booked, not counted
                 assert [op for op, *_ in calls] == ["alltoall_base_"] * 8
                 sent = sum(sizes[-1] * element_size / 2 for _, _, sizes, element_size in calls)
-                assert sent == cp.ulysses_bytes(2, 12, 4, 2, 8, 2, 8)
+                assert sent == context_parallel.ulysses_bytes(2, 12, 4, 2, 8, 2, 8)

@@ -9,7 +9,7 @@ import ipyparallel as ipp
 import pytest
 import torch
 
-from helpers.ddp import build_buckets
+from helpers.parallel.data_parallel import build_buckets
 from helpers.model import GPT, GPTConfig
 
 CFG = GPTConfig(vocab_size=16, seq_len=8, n_layers=2, d_model=32, n_heads=4, n_kv_heads=2, d_ff=64)
@@ -52,12 +52,11 @@ def _assert_close(got: dict, want: dict, rtol=1e-6):
 def _data_parallel_step(cfg, x, y, version, cap_bytes, micro_batches=1):
     import contextlib
 
-    import torch
     import torch.distributed as dist
 
-    from helpers import collectives, ddp
+    from helpers.parallel import collectives, data_parallel
     from helpers.data import rank_rows
-    from helpers.ledger import LEDGER, expected_bytes
+    from helpers.parallel.ledger import LEDGER, expected_bytes
     from helpers.model import GPT
 
     rank, world_size = dist.get_rank(), dist.get_world_size()
@@ -72,16 +71,16 @@ def _data_parallel_step(cfg, x, y, version, cap_bytes, micro_batches=1):
         wrapped(xs, ys)[1].backward()
     elif version == "per parameter":
         model(xs, ys)[1].backward()
-        ddp.average_gradients(model)
+        data_parallel.average_gradients(model)
     elif version == "bucketed":
         model(xs, ys)[1].backward()
-        buckets = ddp.build_buckets(list(model.parameters()), cap_bytes)
-        ddp.bucketed_average(buckets)
+        buckets = data_parallel.build_buckets(list(model.parameters()), cap_bytes)
+        data_parallel.bucketed_average(buckets)
         found["bucket_numels"] = [sum(p.numel() for p in b) for b in buckets]
     else:
-        watch = ddp.CommunicationWatch(model)
+        watch = data_parallel.CommunicationWatch(model)
         ring = collectives.ring_all_reduce if version == "overlapped, ring" else None
-        trainer = ddp.OverlappedDDP(model, cap_bytes, all_reduce=ring)
+        trainer = data_parallel.OverlappedDDP(model, cap_bytes, all_reduce=ring)
         found["bucket_numels"] = [sum(p.numel() for p in b) for b in trainer.buckets]
         with watch:
             micro = list(zip(xs.chunk(micro_batches), ys.chunk(micro_batches)))
@@ -93,7 +92,7 @@ def _data_parallel_step(cfg, x, y, version, cap_bytes, micro_batches=1):
                     found["messages after the first micro-batch"] = len(LEDGER.messages)
             trainer.finish()
         if ring is None:
-            ddp.check_communication("pattern", watch, cap_bytes)
+            data_parallel.check_communication("pattern", watch, cap_bytes)
         found["counted"] = LEDGER.totals("ring_all_reduce", counted=True)
         found["formula"] = [sum(expected_bytes("ring_all_reduce", n, world_size, rank)[k]
                                 for n in found["bucket_numels"]) for k in (0, 1)]
@@ -141,23 +140,23 @@ def test_the_book_ring_as_all_reduce_moves_what_the_formula_says(ranks, referenc
 def _wrong_pattern(cfg, x, y, wrong, cap_bytes):
     import torch.distributed as dist
 
-    from helpers import ddp
+    from helpers.parallel import data_parallel
     from helpers.checks import CheckFailed
     from helpers.data import rank_rows
     from helpers.model import GPT
 
     rank, world_size = dist.get_rank(), dist.get_world_size()
     model = GPT(cfg, seed=0)
-    watch = ddp.CommunicationWatch(model)
+    watch = data_parallel.CommunicationWatch(model)
     if wrong == "synchronous":
-        buckets = ddp.build_buckets(list(model.parameters()), cap_bytes)
+        buckets = data_parallel.build_buckets(list(model.parameters()), cap_bytes)
     else:
-        trainer = ddp.OverlappedDDP(model, {"per parameter": 1, "one bucket": 2**40}[wrong])
+        trainer = data_parallel.OverlappedDDP(model, {"per parameter": 1, "one bucket": 2**40}[wrong])
     with watch:
         model(rank_rows(x, rank, world_size), rank_rows(y, rank, world_size))[1].backward()
-        ddp.bucketed_average(buckets) if wrong == "synchronous" else trainer.finish()
+        data_parallel.bucketed_average(buckets) if wrong == "synchronous" else trainer.finish()
     try:
-        ddp.check_communication("pattern", watch, cap_bytes)
+        data_parallel.check_communication("pattern", watch, cap_bytes)
     except CheckFailed as err:
         return str(err)
     return None

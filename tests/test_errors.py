@@ -8,7 +8,7 @@ from helpers import errors
 from helpers.checks import CheckFailed
 
 ROOT = errors.ROOT
-TB = (f'File {ROOT}/helpers/collectives.py:57, in ring_all_reduce(tensor)\n'
+TB = (f'File {ROOT}/helpers/parallel/collectives.py:57, in ring_all_reduce(tensor)\n'
       f'File {ROOT}/.venv/lib/python3.11/site-packages/torch/distributed/c10d.py:9, in all_reduce\n')
 
 
@@ -19,7 +19,7 @@ def test_a_composite_error_groups_ranks_and_keeps_one_frame_of_the_book():
                      {"engine_id": 1, "method": "execute"}))
     lines = errors.remote_error_lines(CompositeError("one or more exceptions", elist))
     assert lines == ["on ranks 0, 2, 3: RuntimeError: Timed out waiting 5000ms",
-                     "    at helpers/collectives.py:57, in ring_all_reduce",
+                     "    at helpers/parallel/collectives.py:57, in ring_all_reduce",
                      "on rank 1: CheckFailed: check 'x' failed on rank 1: max abs error 1.5"]
     assert not any(ROOT in line for line in lines)
 
@@ -39,6 +39,6 @@ def test_a_failed_check_shows_its_message_alone(monkeypatch):
 
 
 def test_frames_outside_the_repository_are_not_shown():
-    assert errors.innermost_book_frame(f"File /usr/lib/python3.11/x.py:1, in f\n") is None
-    assert errors.innermost_book_frame(TB) == "helpers/collectives.py:57, in ring_all_reduce"
+    assert errors.innermost_book_frame("File /usr/lib/python3.11/x.py:1, in f\n") is None
+    assert errors.innermost_book_frame(TB) == "helpers/parallel/collectives.py:57, in ring_all_reduce"
     assert os.path.isabs(ROOT)

@@ -17,7 +17,7 @@ import nbformat
 import yaml
 from nbclient import NotebookClient
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from helpers import ROOT
 CHAPTER = "01_memory_and_time"
 JUPYTEXT = os.path.join(os.path.dirname(sys.executable), "jupytext")
 
@@ -114,7 +114,7 @@ def test_the_html_offers_the_ipynb_and_the_md_for_download():
             f.write("format: jb-book\nroot: notebooks/page\n")
         with open(os.path.join(book, "notebooks", "page.md"), "w") as f:
             f.write(PAGE)
-        done = subprocess.run([sys.executable, "-m", "helpers.build", book], cwd=ROOT, capture_output=True,
+        done = subprocess.run([sys.executable, "-m", "helpers.tools.build", book], cwd=ROOT, capture_output=True,
                               text=True, timeout=600)
         assert done.returncode == 0, done.stdout[-4000:]
         html_dir = os.path.join(book, "_build", "html")

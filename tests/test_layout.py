@@ -9,7 +9,7 @@ import yaml
 
 from helpers import dist as book_dist
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from helpers import ROOT
 
 
 def load(name):
@@ -66,7 +66,7 @@ def test_a_collective_times_out_before_a_cell_does():
     config = load("_config.yml")
     assert book_dist.DEFAULT_TIMEOUT_S < config["execute"]["timeout"]
     # failing notebooks are warnings, so the build must turn warnings into errors
-    from helpers import build
+    from helpers.tools import build
     assert {"-W", "--keep-going"} <= set(build.JB_FLAGS)
     assert "notebooks/*.ipynb" in config["exclude_patterns"]
 
@@ -81,7 +81,7 @@ def test_requirements_are_pinned():
 
 def test_every_chapters_distributed_code_exports_for_torchrun():
     """The %%px cells of each chapter form a script (no magics, no cells aimed at some ranks only)."""
-    from helpers import px_script
+    from helpers.tools import px_script
 
     for path in chapters():
         try:

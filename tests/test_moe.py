@@ -11,8 +11,8 @@ import ipyparallel as ipp
 import pytest
 import torch
 
-from helpers import moe
-from helpers.ledger import all_to_all_bytes
+from helpers.parallel import moe
+from helpers.parallel.ledger import all_to_all_bytes
 
 CFG = moe.MoEConfig(vocab_size=16, seq_len=8, n_layers=2, d_model=32, n_heads=4, n_kv_heads=2, d_ff=32,
                     n_experts=4, top_k=2, capacity_factor=1.0)
@@ -113,7 +113,7 @@ def test_groups_must_divide_the_tokens():
 def _expert_parallel_step(cfg, x, y):
     from torch import distributed
 
-    from helpers import moe
+    from helpers.parallel import moe
 
     ep, rank = distributed.get_world_size(), distributed.get_rank()
     model = moe.from_reference(moe.MoEGPT(cfg, seed=0, groups=ep), rank, ep)
@@ -130,7 +130,7 @@ def _dispatch_one_layer(cfg, h):
     import torch
     from torch import distributed
 
-    from helpers import moe
+    from helpers.parallel import moe
 
     ep, rank = distributed.get_world_size(), distributed.get_rank()
     layer = moe.ExpertParallelMoE.from_layer(moe.MoEGPT(cfg, seed=0).blocks[0].mlp, rank, ep)

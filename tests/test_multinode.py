@@ -1,7 +1,7 @@
 """Beyond one machine: chapter 00 as two "nodes" of two ranks each, two torchrun launches meeting at a c10d
 rendezvous on 127.0.0.1, as two machines of a cluster would (README, "Running on a real cluster").
 
-Both launches run as `make torchrun` runs one: under the reaper, through helpers.px_script. While they run, the
+Both launches run as `make torchrun` runs one: under the reaper, through helpers.tools.px_script. While they run, the
 test lists every socket their processes listen on; each must be on 127.0.0.1, and the rendezvous store must be
 among them, on the endpoint.
 """
@@ -19,7 +19,7 @@ import psutil
 
 from test_ranks import book_processes, wait_until_gone
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from helpers import ROOT
 CHAPTER = "00"
 NNODES, NPROC = 2, 2
 TIMEOUT_S = 240
@@ -32,7 +32,7 @@ def free_loopback_port() -> int:
 
 
 def launch(args: list[str], tmpdir: str) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "helpers.reap", "--", sys.executable, "-m", "helpers.px_script", CHAPTER, *args]
+    cmd = [sys.executable, "-m", "helpers.tools.reap", "--", sys.executable, "-m", "helpers.tools.px_script", CHAPTER, *args]
     return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=dict(os.environ, TMPDIR=tmpdir), start_new_session=True)
 
@@ -107,7 +107,7 @@ def test_a_chapter_runs_as_two_nodes_on_loopback(tmp_path):
         assert "ok  all_reduce of integer values" in out, out[-2000:]
 
     # The same checks, passed by the same ranks, as one node of `world` ranks (`make torchrun NPROC=4`).
-    one = subprocess.run([sys.executable, "-m", "helpers.reap", "--", sys.executable, "-m", "helpers.px_script",
+    one = subprocess.run([sys.executable, "-m", "helpers.tools.reap", "--", sys.executable, "-m", "helpers.tools.px_script",
                           CHAPTER, "--nproc", str(world)], cwd=ROOT, capture_output=True, text=True,
                          timeout=TIMEOUT_S, env=dict(os.environ, TMPDIR=str(tmpdir)))
     assert one.returncode == 0, one.stderr[-3000:]
@@ -124,7 +124,7 @@ def test_a_chapter_runs_as_two_nodes_on_loopback(tmp_path):
 
 
 def test_endpoint_flags():
-    from helpers import px_script
+    from helpers.tools import px_script
 
     local = px_script.multinode_torchrun_args(2, 2, 1, "127.0.0.1:29400")
     assert local[local.index("--rdzv-backend") + 1] == "c10d"

@@ -16,8 +16,9 @@ import ipyparallel as ipp
 import pytest
 import torch
 
-from helpers import measure, pp
-from helpers import pp_schedules as S
+from helpers import measure
+from helpers.parallel import pipeline_parallel
+from helpers.parallel import pipeline_schedules
 from helpers.model import GPT, GPTConfig
 
 CFG = GPTConfig(vocab_size=16, seq_len=8, n_layers=4, d_model=32, n_heads=4, n_kv_heads=2, d_ff=64,
@@ -27,9 +28,9 @@ SIZES = [(2, 2), (2, 6), (3, 3), (3, 9), (4, 8), (4, 12), (8, 16), (8, 24)]
 
 
 def all_schedules(p, m):
-    out = [S.gpipe(p, m), S.one_f_one_b(p, m), S.zb_h1(p, m)]
+    out = [pipeline_schedules.gpipe(p, m), pipeline_schedules.one_f_one_b(p, m), pipeline_schedules.zb_h1(p, m)]
     if m % p == 0:
-        out += [S.interleaved_1f1b(p, m, 2), S.interleaved_1f1b(p, m, 3)]
+        out += [pipeline_schedules.interleaved_1f1b(p, m, 2), pipeline_schedules.interleaved_1f1b(p, m, 3)]
     return out
 
 
@@ -37,67 +38,67 @@ def all_schedules(p, m):
 def test_the_simulated_bubble_is_the_papers_formula_exactly(p, m):
     for s in all_schedules(p, m):
         v = len(s.chunks_of(0))
-        bubble = S.bubble_fraction(S.simulate(s))
-        assert set(bubble.values()) == {S.bubble_formula(s.name, p, m, v)}, s.name
+        bubble = pipeline_schedules.bubble_fraction(pipeline_schedules.simulate(s))
+        assert set(bubble.values()) == {pipeline_schedules.bubble_formula(s.name, p, m, v)}, s.name
 
 
 @pytest.mark.parametrize("p, m", SIZES)
 def test_peak_micro_batches_kept_follow_the_formula(p, m):
     for s in all_schedules(p, m):
         v = len(s.chunks_of(0))
-        assert S.peak_alive(s) == [S.peak_alive_formula(s.name, p, m, r, v) for r in range(p)], s.name
+        assert pipeline_schedules.peak_alive(s) == [pipeline_schedules.peak_alive_formula(s.name, p, m, r, v) for r in range(p)], s.name
 
 
 def test_zb_h1_has_a_third_of_the_1f1b_bubble_when_f_i_w_are_equal():
-    one_f, zb = S.simulate(S.one_f_one_b(4, 8)), S.simulate(S.zb_h1(4, 8))
-    assert S.bubble_fraction(zb)[0] == S.bubble_fraction(one_f)[0] / 3
-    assert S.makespan(zb) == S.makespan(one_f) - Fraction(6)  # (p-1)(F+B+W) - (p-1)(F+B-W) = 2(p-1)W
+    one_f, zb = pipeline_schedules.simulate(pipeline_schedules.one_f_one_b(4, 8)), pipeline_schedules.simulate(pipeline_schedules.zb_h1(4, 8))
+    assert pipeline_schedules.bubble_fraction(zb)[0] == pipeline_schedules.bubble_fraction(one_f)[0] / 3
+    assert pipeline_schedules.makespan(zb) == pipeline_schedules.makespan(one_f) - Fraction(6)  # (p-1)(F+B+W) - (p-1)(F+B-W) = 2(p-1)W
 
 
 def test_the_simulator_adds_the_latency_of_each_message():
-    s = S.gpipe(2, 1)  # F on rank 0, F on rank 1, B on rank 1, B on rank 0: two messages on the critical path
-    assert S.makespan(S.simulate(s, comm=Fraction(1, 2))) == S.makespan(S.simulate(s)) + 1
+    s = pipeline_schedules.gpipe(2, 1)  # F on rank 0, F on rank 1, B on rank 1, B on rank 0: two messages on the critical path
+    assert pipeline_schedules.makespan(pipeline_schedules.simulate(s, comm=Fraction(1, 2))) == pipeline_schedules.makespan(pipeline_schedules.simulate(s)) + 1
 
 
 def _with_rank(s, rank, actions):
-    return S.Schedule(s.name, s.p, s.m, s.placement, s.actions[:rank] + (tuple(actions),) + s.actions[rank + 1:])
+    return pipeline_schedules.Schedule(s.name, s.p, s.m, s.placement, s.actions[:rank] + (tuple(actions),) + s.actions[rank + 1:])
 
 
 def test_a_backward_before_its_forward_names_the_rank_action_and_micro_batch():
-    s = S.one_f_one_b(4, 8)
+    s = pipeline_schedules.one_f_one_b(4, 8)
     acts = list(s.actions[2])
     acts[0], acts[2] = acts[2], acts[0]  # rank 2: B0 first
-    with pytest.raises(S.ScheduleError, match="wrong order on rank 2: action 0, the backward of micro-batch 0"):
-        S.validate(_with_rank(s, 2, acts))
+    with pytest.raises(pipeline_schedules.ScheduleError, match="wrong order on rank 2: action 0, the backward of micro-batch 0"):
+        pipeline_schedules.validate(_with_rank(s, 2, acts))
 
 
 def test_a_deadlock_names_every_stuck_rank():
     # rank 0 waits for micro-batch 0's gradient before sending micro-batch 1; rank 1 wants micro-batch 1 first
-    swapped = S.Schedule("x", 2, 2, (0, 1), ((S.Action("F", 0, 0), S.Action("B", 0, 0), S.Action("F", 0, 1),
-                                              S.Action("B", 0, 1)),
-                                             (S.Action("F", 1, 1), S.Action("B", 1, 1), S.Action("F", 1, 0),
-                                              S.Action("B", 1, 0))))
-    with pytest.raises(S.ScheduleError, match=r"deadlock: rank 0 at action 1 \(backward of micro-batch 0 on chunk 0\)"
+    swapped = pipeline_schedules.Schedule("x", 2, 2, (0, 1), ((pipeline_schedules.Action("F", 0, 0), pipeline_schedules.Action("B", 0, 0), pipeline_schedules.Action("F", 0, 1),
+                                              pipeline_schedules.Action("B", 0, 1)),
+                                             (pipeline_schedules.Action("F", 1, 1), pipeline_schedules.Action("B", 1, 1), pipeline_schedules.Action("F", 1, 0),
+                                              pipeline_schedules.Action("B", 1, 0))))
+    with pytest.raises(pipeline_schedules.ScheduleError, match=r"deadlock: rank 0 at action 1 \(backward of micro-batch 0 on chunk 0\)"
                                               r".*rank 1 at action 0 \(forward of micro-batch 1 on chunk 1\)"):
-        S.validate(swapped)
+        pipeline_schedules.validate(swapped)
 
 
 @pytest.mark.parametrize("change, message", [
     (lambda acts: acts[1:], "rank 1 never runs the forward of micro-batch 0 on chunk 1"),
     (lambda acts: acts + acts[:1], "appears twice"),
-    (lambda acts: [S.Action("F", 0, 9)] + acts, "chunk 0 does not run on rank 1"),
-    (lambda acts: acts + [S.Action("F", 1, 9)], "there are only 4 micro-batches"),
-    (lambda acts: [S.Action("X", 1, 0)] + acts, "unknown kind 'X'"),
+    (lambda acts: [pipeline_schedules.Action("F", 0, 9)] + acts, "chunk 0 does not run on rank 1"),
+    (lambda acts: acts + [pipeline_schedules.Action("F", 1, 9)], "there are only 4 micro-batches"),
+    (lambda acts: [pipeline_schedules.Action("X", 1, 0)] + acts, "unknown kind 'X'"),
 ])
 def test_a_malformed_schedule_is_rejected_before_it_runs(change, message):
-    s = S.one_f_one_b(2, 4)
-    with pytest.raises(S.ScheduleError, match=message):
-        S.validate(_with_rank(s, 1, change(list(s.actions[1]))))
+    s = pipeline_schedules.one_f_one_b(2, 4)
+    with pytest.raises(pipeline_schedules.ScheduleError, match=message):
+        pipeline_schedules.validate(_with_rank(s, 1, change(list(s.actions[1]))))
 
 
 def test_interleaving_needs_m_to_be_a_multiple_of_p():
-    with pytest.raises(S.ScheduleError, match="m=6 to be a multiple of p=4"):
-        S.interleaved_1f1b(4, 6, 2)
+    with pytest.raises(pipeline_schedules.ScheduleError, match="m=6 to be a multiple of p=4"):
+        pipeline_schedules.interleaved_1f1b(4, 6, 2)
 
 
 @pytest.mark.parametrize("cfg, n_chunks, message", [
@@ -107,13 +108,13 @@ def test_interleaving_needs_m_to_be_a_multiple_of_p():
 ])
 def test_a_bad_layout_names_the_broken_constraint(cfg, n_chunks, message):
     with pytest.raises(ValueError, match=message):
-        pp.check_layout(cfg, n_chunks)
+        pipeline_parallel.check_layout(cfg, n_chunks)
 
 
 @pytest.mark.parametrize("n_chunks", [1, 2, 3, 4])
 def test_the_chunks_in_a_row_are_the_reference_bit_for_bit(n_chunks):
     reference = GPT(CFG, seed=0)
-    chunks = pp.split_model(reference, n_chunks)
+    chunks = pipeline_parallel.split_model(reference, n_chunks)
     names = sorted(n for c in chunks for n in c.reference_names())
     assert names == sorted(n for n, _ in reference.named_parameters())
     full = dict(reference.named_parameters())
@@ -128,14 +129,14 @@ def test_the_chunks_in_a_row_are_the_reference_bit_for_bit(n_chunks):
 
 
 def test_the_formula_for_bytes_counts_the_boundaries_between_ranks():
-    assert pp.expected_p2p_bytes(S.one_f_one_b(4, 8), 0, 10) == (80, 80)
-    assert pp.expected_p2p_bytes(S.one_f_one_b(4, 8), 1, 10) == (160, 160)
-    assert pp.expected_p2p_bytes(S.interleaved_1f1b(4, 8, 2), 0, 10) == (240, 240)
-    assert pp.expected_p2p_bytes(S.interleaved_1f1b(4, 8, 2), 2, 10) == (320, 320)
+    assert pipeline_parallel.expected_p2p_bytes(pipeline_schedules.one_f_one_b(4, 8), 0, 10) == (80, 80)
+    assert pipeline_parallel.expected_p2p_bytes(pipeline_schedules.one_f_one_b(4, 8), 1, 10) == (160, 160)
+    assert pipeline_parallel.expected_p2p_bytes(pipeline_schedules.interleaved_1f1b(4, 8, 2), 0, 10) == (240, 240)
+    assert pipeline_parallel.expected_p2p_bytes(pipeline_schedules.interleaved_1f1b(4, 8, 2), 2, 10) == (320, 320)
 
 
 def _one_chunk(index=1, n_chunks=4):
-    chunk = pp.split_model(GPT(CFG, seed=0), n_chunks)[index]
+    chunk = pipeline_parallel.split_model(GPT(CFG, seed=0), n_chunks)[index]
     gen = torch.Generator().manual_seed(0)
     h = torch.randn(2, CFG.seq_len, CFG.d_model, generator=gen).requires_grad_()
     return chunk, h, torch.randn(2, CFG.seq_len, CFG.d_model, generator=gen)
@@ -146,7 +147,7 @@ def test_input_then_weight_gradients_are_the_whole_backward_and_its_flops_exactl
     state = {}
 
     def forward():
-        state["out"], state["edges"] = pp.forward_step(chunk, h)
+        state["out"], state["edges"] = pipeline_parallel.forward_step(chunk, h)
 
     def total(fn):
         return sum(measure.count_flops(fn).values())
@@ -157,9 +158,9 @@ def test_input_then_weight_gradients_are_the_whole_backward_and_its_flops_exactl
     h.grad = None
     chunk.zero_grad(set_to_none=True)
     total(forward)
-    input_flops = total(lambda: state.update(zip(("h_grad", "kept"), pp.backward_input(
+    input_flops = total(lambda: state.update(zip(("h_grad", "kept"), pipeline_parallel.backward_input(
         state.pop("out"), grad, h, state.pop("edges")))))
-    weight_flops = total(lambda: pp.backward_weight(state.pop("kept")))
+    weight_flops = total(lambda: pipeline_parallel.backward_weight(state.pop("kept")))
     got = {"input": state["h_grad"], **{n: p.grad for n, p in chunk.named_parameters()}}
     assert h.grad is None  # I returns the input's gradient, it does not accumulate it
     for name in want:
@@ -172,14 +173,14 @@ def test_input_then_weight_gradients_are_the_whole_backward_and_its_flops_exactl
 def test_saved_activations_follow_autograd_from_forward_to_the_last_backward():
     per_layer = measure.saved_bytes_per_layer(CFG, 2, CFG.seq_len)
     chunk, h, grad = _one_chunk()  # one layer
-    saved = pp.SavedActivations([chunk])
+    saved = pipeline_parallel.SavedActivations([chunk])
     try:
-        out, edges = pp.forward_step(chunk, h)
+        out, edges = pipeline_parallel.forward_step(chunk, h)
         assert saved.bytes == per_layer
-        kept = pp.backward_input(out, grad, h, edges)[1]
+        kept = pipeline_parallel.backward_input(out, grad, h, edges)[1]
         del out, edges
         assert saved.bytes == per_layer  # the graph stays saved for W
-        pp.backward_weight(kept)
+        pipeline_parallel.backward_weight(kept)
         del kept
         assert saved.bytes == 0 and not saved.live
         out = chunk(h)
@@ -196,8 +197,8 @@ def _pipeline_step(cfg, schedule, stage_seconds=None):
     import torch
     import torch.distributed as dist
 
-    from helpers import pp
-    from helpers.ledger import LEDGER
+    from helpers.parallel import pipeline_parallel
+    from helpers.parallel.ledger import LEDGER
     from helpers.model import GPT
 
     rank = dist.get_rank()
@@ -205,10 +206,10 @@ def _pipeline_step(cfg, schedule, stage_seconds=None):
     x = torch.randint(0, cfg.vocab_size, (4, cfg.seq_len), generator=gen)
     y = torch.randint(0, cfg.vocab_size, (4, cfg.seq_len), generator=gen)
     base = GPT(cfg, seed=0)
-    chunks = {c: pp.PipelineChunk(base, c, schedule.n_chunks) for c in schedule.chunks_of(rank)}
+    chunks = {c: pipeline_parallel.PipelineChunk(base, c, schedule.n_chunks) for c in schedule.chunks_of(rank)}
     LEDGER.clear()
-    losses, events = pp.run_schedule(schedule, chunks, x, y, rank, stage_seconds=stage_seconds)
-    return ({k: float(v) for k, v in losses.items()}, pp.chunk_grads(chunks.values()),
+    losses, events = pipeline_parallel.run_schedule(schedule, chunks, x, y, rank, stage_seconds=stage_seconds)
+    return ({k: float(v) for k, v in losses.items()}, pipeline_parallel.chunk_grads(chunks.values()),
             (max(e.saved_bytes for e in events), events[-1].saved_bytes), LEDGER.totals("pipeline"),
             [tuple(e) for e in events])
 
@@ -222,7 +223,7 @@ def test_every_schedule_on_two_ranks_matches_the_single_process(ranks):
     loss.backward()
     activation_bytes = 1 * CFG.seq_len * CFG.d_model * 4
     per_layer = measure.saved_bytes_per_layer(CFG, 1, CFG.seq_len)
-    for s in [S.gpipe(2, 4), S.one_f_one_b(2, 4), S.interleaved_1f1b(2, 4, 2), S.zb_h1(2, 4)]:
+    for s in [pipeline_schedules.gpipe(2, 4), pipeline_schedules.one_f_one_b(2, 4), pipeline_schedules.interleaved_1f1b(2, 4, 2), pipeline_schedules.zb_h1(2, 4)]:
         results = ranks.apply(_pipeline_step, CFG, s)
         losses = results[s.placement[-1]][0]
         assert sum(losses.values()) / 4 == pytest.approx(loss.item(), rel=1e-6), s.name
@@ -232,12 +233,12 @@ def test_every_schedule_on_two_ranks_matches_the_single_process(ranks):
             assert (grads[name] - p.grad).abs().max().item() <= 1e-6 * p.grad.abs().max().item(), (s.name, name)
         v = len(s.chunks_of(0))
         unit = per_layer * CFG.n_layers // s.n_chunks  # one micro-batch through one chunk
-        assert [r[2] for r in results] == [(S.peak_alive_formula(s.name, 2, 4, r, v) * unit, 0) for r in range(2)]
-        assert [r[3] for r in results] == [pp.expected_p2p_bytes(s, r, activation_bytes) for r in range(2)]
+        assert [r[2] for r in results] == [(pipeline_schedules.peak_alive_formula(s.name, 2, 4, r, v) * unit, 0) for r in range(2)]
+        assert [r[3] for r in results] == [pipeline_parallel.expected_p2p_bytes(s, r, activation_bytes) for r in range(2)]
 
 
 def test_fixed_stage_seconds_pad_every_action_and_keep_the_gradients(ranks):
-    s = S.zb_h1(2, 4)
+    s = pipeline_schedules.zb_h1(2, 4)
     seconds = {"F": 0.004, "B": 0.008, "I": 0.004, "W": 0.004}
     plain, padded = ranks.apply(_pipeline_step, CFG, s), ranks.apply(_pipeline_step, CFG, s, seconds)
     for r in range(2):
@@ -248,8 +249,8 @@ def test_fixed_stage_seconds_pad_every_action_and_keep_the_gradients(ranks):
 
 
 def test_a_deadlocking_schedule_fails_on_the_ranks_without_a_hang(ranks):
-    good = S.one_f_one_b(2, 4)
-    swap = [tuple(S.Action(a.kind, r, a.micro_batch) for a in good.actions[1 - r]) for r in range(2)]
-    bad = S.Schedule("1F1B", 2, 4, good.placement, tuple(swap))  # warm-up counts reversed
+    good = pipeline_schedules.one_f_one_b(2, 4)
+    swap = [tuple(pipeline_schedules.Action(a.kind, r, a.micro_batch) for a in good.actions[1 - r]) for r in range(2)]
+    bad = pipeline_schedules.Schedule("1F1B", 2, 4, good.placement, tuple(swap))  # warm-up counts reversed
     with pytest.raises(ipp.error.CompositeError, match="deadlock"):
         ranks.apply(_pipeline_step, CFG, bad)

@@ -13,7 +13,7 @@ import shlex
 import pytest
 import yaml
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from helpers import ROOT
 WORKFLOW = os.path.join(ROOT, ".github", "workflows", "pages.yml")
 TARGET = "build"
 SITE = "_build/html"

@@ -16,7 +16,7 @@ import pytest
 
 from helpers.ranks import start_ranks
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from helpers import ROOT
 
 
 def book_processes() -> list[str]:
@@ -30,7 +30,7 @@ def book_processes() -> list[str]:
     for proc in psutil.process_iter(["pid", "cmdline", "status"]):
         cmd = " ".join(proc.info["cmdline"] or [])
         if proc.info["status"] == psutil.STATUS_ZOMBIE or not any(
-                key in cmd for key in ("ipyparallel.engine", "ipyparallel.controller", "helpers.janitor",
+                key in cmd for key in ("ipyparallel.engine", "ipyparallel.controller", "helpers.tools.janitor",
                                        "torch.distributed.run")):
             continue
         try:
@@ -132,7 +132,7 @@ def test_janitor_kills_the_ranks_of_a_killed_kernel(tmp_path):
 
 
 def test_reaper_ends_orphans_and_keeps_the_status():
-    cmd = [sys.executable, "-m", "helpers.reap", "--", "sh", "-c",
+    cmd = [sys.executable, "-m", "helpers.tools.reap", "--", "sh", "-c",
            "sleep 301 & setsid sleep 302 & exit 3"]
     started = time.monotonic()
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=60, cwd=ROOT)
@@ -144,7 +144,7 @@ def test_reaper_ends_orphans_and_keeps_the_status():
 
 def test_reaper_gives_the_command_a_temporary_folder_and_removes_it():
     """Third-party code (torch's inductor cache, torchrun's logs) writes into TMPDIR; nothing of it may stay."""
-    cmd = [sys.executable, "-m", "helpers.reap", "--", "sh", "-c",
+    cmd = [sys.executable, "-m", "helpers.tools.reap", "--", "sh", "-c",
            'mkdir "$TMPDIR/torchinductor_x" && echo left > "$TMPDIR/torchinductor_x/file" && echo "$TMPDIR"']
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert done.returncode == 0, done.stderr

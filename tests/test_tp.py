@@ -11,7 +11,7 @@ import ipyparallel as ipp
 import pytest
 import torch
 
-from helpers import tp
+from helpers.parallel import tensor_parallel
 from helpers.model import GPT, GPTConfig
 
 CFG = GPTConfig(vocab_size=16, seq_len=8, n_layers=2, d_model=32, n_heads=4, n_kv_heads=2, d_ff=64)
@@ -27,14 +27,14 @@ CFG = GPTConfig(vocab_size=16, seq_len=8, n_layers=2, d_model=32, n_heads=4, n_k
 def test_a_bad_layout_names_the_broken_constraint(cfg, tp_size, names):
     sequence_parallel = "seq_len" in names
     with pytest.raises(ValueError, match=f"tp={tp_size} must divide {names}"):
-        tp.check_layout(cfg, tp_size, sequence_parallel)
+        tensor_parallel.check_layout(cfg, tp_size, sequence_parallel)
     with pytest.raises(ValueError, match=f"tp={tp_size} must divide {names}"):
-        tp.TensorParallelGPT(cfg, 0, tp_size, sequence_parallel=sequence_parallel)
+        tensor_parallel.TensorParallelGPT(cfg, 0, tp_size, sequence_parallel=sequence_parallel)
 
 
 def test_a_good_layout_passes():
-    tp.check_layout(CFG, 2, sequence_parallel=True)
-    tp.check_layout(CFG, 1)
+    tensor_parallel.check_layout(CFG, 2, sequence_parallel=True)
+    tensor_parallel.check_layout(CFG, 1)
 
 
 @pytest.mark.parametrize("cfg", [CFG, replace(CFG, tie_embeddings=False), replace(CFG, gated=True)])
@@ -42,8 +42,8 @@ def test_a_good_layout_passes():
 def test_sharding_then_unsharding_gives_back_every_tensor_bit_for_bit(cfg, tp_size):
     reference = GPT(cfg, seed=0)
     full = dict(reference.named_parameters())
-    shards = [tp.shard_state(full, cfg, r, tp_size) for r in range(tp_size)]
-    again = tp.unshard_state(shards, cfg)
+    shards = [tensor_parallel.shard_state(full, cfg, r, tp_size) for r in range(tp_size)]
+    again = tensor_parallel.unshard_state(shards, cfg)
     assert sorted(again) == sorted(full)
     for name, tensor in full.items():
         assert torch.equal(again[name], tensor), name
@@ -53,9 +53,9 @@ def test_sharding_then_unsharding_gives_back_every_tensor_bit_for_bit(cfg, tp_si
 def test_each_rank_holds_its_slice_under_the_plans_names(cfg):
     reference = GPT(cfg, seed=0)
     for rank in range(2):
-        model = tp.from_reference(reference, rank, 2)
+        model = tensor_parallel.from_reference(reference, rank, 2)
         params = dict(model.named_parameters())
-        assert sorted(params) == sorted(tp.shard_plan(cfg, 2))
+        assert sorted(params) == sorted(tensor_parallel.shard_plan(cfg, 2))
         q_rows = cfg.n_heads * cfg.head_dim // 2
         qkv = params["blocks.0.attn.qkv_proj.weight"]
         assert torch.equal(qkv[:q_rows], reference.blocks[0].attn.q_proj.weight[rank * q_rows:(rank + 1) * q_rows])
@@ -71,19 +71,19 @@ def _tensor_parallel_step(cfg, sequence_parallel, sync_norms):
     import torch
     import torch.distributed as dist
 
-    from helpers import tp
+    from helpers.parallel import tensor_parallel
     from helpers.model import GPT
 
     rank, world_size = dist.get_rank(), dist.get_world_size()
     gen = torch.Generator().manual_seed(0)
     x = torch.randint(0, cfg.vocab_size, (4, cfg.seq_len), generator=gen)
     y = torch.randint(0, cfg.vocab_size, (4, cfg.seq_len), generator=gen)
-    model = tp.from_reference(GPT(cfg, seed=0), rank, world_size, sequence_parallel=sequence_parallel)
+    model = tensor_parallel.from_reference(GPT(cfg, seed=0), rank, world_size, sequence_parallel=sequence_parallel)
     logits, loss = model(x, y)
     loss.backward()
     if sync_norms:
-        tp.allreduce_sequence_parallel_grads(model)
-    return logits.detach(), loss.item(), tp.named_grads(model)
+        tensor_parallel.allreduce_sequence_parallel_grads(model)
+    return logits.detach(), loss.item(), tensor_parallel.named_grads(model)
 
 
 @pytest.mark.parametrize("cfg", [CFG, replace(CFG, gated=True, tie_embeddings=False)], ids=["tied", "gated-untied"])
@@ -101,7 +101,7 @@ def test_two_ranks_match_the_single_process(ranks, cfg, sequence_parallel):
         want = logits[..., rank * per_rank:(rank + 1) * per_rank]
         torch.testing.assert_close(got_logits, want.detach(), rtol=0, atol=1e-6)
         assert got_loss == pytest.approx(loss.item(), rel=1e-6)
-    grads = tp.unshard_state([g for _, _, g in results], cfg)
+    grads = tensor_parallel.unshard_state([g for _, _, g in results], cfg)
     assert sorted(grads) == sorted(n for n, _ in reference.named_parameters())
     for name, p in reference.named_parameters():
         scale = p.grad.abs().max().item()

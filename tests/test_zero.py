@@ -11,9 +11,9 @@ import ipyparallel as ipp
 import pytest
 import torch
 
-from helpers.data import batch as get_batch, make_tokens
+from helpers.data import get_batch, make_tokens
 from helpers.model import GPT, GPTConfig
-from helpers.zero import shard_of, shard_rows
+from helpers.parallel.zero import shard_of, shard_rows
 
 CFG = GPTConfig(vocab_size=17, seq_len=8, n_layers=4, d_model=16, n_heads=4, n_kv_heads=2, d_ff=33)
 GLOBAL_BATCH, STEPS = 8, 2
@@ -48,11 +48,10 @@ def _single_process():
 
 @ipp.interactive  # sent by value: the engines cannot import this test module
 def _sharded_run(cfg, stage, micro_batches, global_batch, steps, adamw, reshard=True, prefetch=False):
-    import torch
     import torch.distributed as dist
 
-    from helpers import zero
-    from helpers.data import batch as get_batch, make_tokens
+    from helpers.parallel import zero
+    from helpers.data import get_batch, make_tokens
     from helpers.model import GPT
 
     rank, world_size = dist.get_rank(), dist.get_world_size()
@@ -115,11 +114,10 @@ def test_zero3_variants_accumulate_like_one_process(ranks, reshard, prefetch):
 @ipp.interactive
 def _zero3_memory_and_poison(cfg, global_batch, adamw, poison):
     """ZeRO-3 with every matrix garbage in backward (``poison``), or clean; live parameter bytes at each sample."""
-    import torch
     import torch.distributed as dist
 
-    from helpers import zero
-    from helpers.data import batch as get_batch, make_tokens
+    from helpers.parallel import zero
+    from helpers.data import get_batch, make_tokens
     from helpers.model import GPT
 
     rank, world_size = dist.get_rank(), dist.get_world_size()
@@ -161,8 +159,8 @@ def test_zero3_frees_in_forward_and_backward_reads_what_it_gathers_again(ranks):
 def _record_calls(cfg, stage, global_batch, adamw):
     import torch.distributed as dist
 
-    from helpers import zero
-    from helpers.data import batch as get_batch, make_tokens
+    from helpers.parallel import zero
+    from helpers.data import get_batch, make_tokens
     from helpers.model import GPT
 
     rank, world_size = dist.get_rank(), dist.get_world_size()

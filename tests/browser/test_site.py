@@ -1,4 +1,4 @@
-"""The built book in a real browser, offline, at a laptop's and a phone's width (helpers/browser_check.py).
+"""The built book in a real browser, offline, at a laptop's and a phone's width (helpers/tools/browser_check.py).
 
 Runs after the build (`make test` = unit, build, browser). The first test checks every page of `_build/html`
 and keeps the screenshots in `_build/screenshots`; the others plant one defect each in a copy of a chapter
@@ -11,9 +11,9 @@ import shutil
 
 import pytest
 
-from helpers import browser_check
+from helpers.tools import browser_check
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from helpers import ROOT
 SITE = os.path.join(ROOT, "_build", "html")
 PAGE = "notebooks/02_collectives.html"
 

@@ -1,6 +1,6 @@
 """Open every page of the built book in a real browser, offline, as a reader would; report what is broken.
 
-``python -m helpers.browser_check _build/html [--screenshots DIR] [--page REL ...]`` drives headless Chromium
+``python -m helpers.tools.browser_check _build/html [--screenshots DIR] [--page REL ...]`` drives headless Chromium
 (Debian's ``chromium``, through Playwright) over every page at 1280 px (a laptop) and 390 px (a phone). Every
 request that would leave the machine is blocked and reported, as for a reader who ran ``make build`` with no
 network. A page fails on:

@@ -1,4 +1,4 @@
-"""Execute one chapter and its checks, without building the book: ``python -m helpers.run_chapter 00``.
+"""Execute one chapter and its checks, without building the book: ``python -m helpers.tools.run_chapter 00``.
 
 The cell timeout is the book's (``execute.timeout`` in ``_config.yml``). The executed notebook, outputs
 included, is written to ``_build/chapters/`` so it can be opened afterwards; the exit status is non-zero if any
@@ -16,12 +16,12 @@ import yaml
 from nbclient import NotebookClient
 from nbclient.exceptions import CellExecutionError, DeadKernelError
 
-from .px_script import ROOT, notebook_path
+from helpers.tools.px_script import ROOT, notebook_path
 
 
 def main(argv: list[str]) -> int:
     if len(argv) != 1:
-        print("usage: python -m helpers.run_chapter NN", file=sys.stderr)
+        print("usage: python -m helpers.tools.run_chapter NN", file=sys.stderr)
         return 2
     path = os.path.abspath(notebook_path(argv[0]))
     with open(os.path.join(ROOT, "_config.yml")) as f:

@@ -31,9 +31,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from .ddp import bucketed_average
-from .ledger import LEDGER
-from .model import GPT, GPTConfig, init_weights
+from helpers import layout_rules
+from helpers.parallel.data_parallel import bucketed_average
+from helpers.parallel.ledger import LEDGER
+from helpers.model import GPT, GPTConfig, init_weights
 
 
 @dataclass(frozen=True)
@@ -56,10 +57,7 @@ class MoEConfig(GPTConfig):
 
 def check_layout(cfg: MoEConfig, ep: int) -> None:
     """Raise a ValueError naming the broken constraint if ``cfg``'s experts cannot be split over ``ep`` ranks."""
-    if ep < 1:
-        raise ValueError(f"ep must be at least 1, got {ep}")
-    if cfg.n_experts % ep:
-        raise ValueError(f"ep={ep} must divide n_experts={cfg.n_experts}: each rank holds n_experts/ep experts")
+    layout_rules.expert_parallel(ep, cfg.n_experts)
 
 
 # ---------------------------------------------------------------------------------------------------------

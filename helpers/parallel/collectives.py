@@ -11,7 +11,7 @@ and NCCL use (Thakur, Rabenseifner and Gropp 2005; Patarasuk and Yuan 2009):
   latency-bound contrast to the ring.
 
 Buffers are flat: a tensor is reduced or gathered as ``tensor.reshape(-1)``, split into chunks as
-``torch.tensor_split`` splits (:func:`helpers.ledger.chunk_sizes`), so sizes that do not divide by the
+``torch.tensor_split`` splits (:func:`helpers.parallel.ledger.chunk_sizes`), so sizes that do not divide by the
 world size work. Ranks are numbered within ``group`` (the whole world by default).
 """
 
@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .ledger import LEDGER
+from helpers.parallel.ledger import LEDGER
 
 
 def ring_reduce_scatter_(chunks: list[torch.Tensor], group=None) -> None:

@@ -1,4 +1,4 @@
-"""Build a book with jupyter-book and end the log with what went wrong: ``python -m helpers.build [DIR]``.
+"""Build a book with jupyter-book and end the log with what went wrong: ``python -m helpers.tools.build [DIR]``.
 
 jupyter-book prints a failing cell's traceback in the middle of a long log and ends it with "Look above for the
 cause". This wrapper streams the log unchanged, and when the build fails it repeats, as the last lines, each

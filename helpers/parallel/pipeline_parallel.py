@@ -2,12 +2,12 @@
 
 - :class:`PipelineChunk` is a contiguous run of the GPT's layers (the first chunk also embeds the tokens, the last
   also normalises, projects to the vocabulary and returns the loss); :func:`split_model` cuts the reference into
-  ``n_chunks`` of them, with the layers of :func:`helpers.budget.stage_layers`.
-- :func:`run_schedule` runs one rank's list of actions from a :class:`helpers.pp_schedules.Schedule`. Activations
+  ``n_chunks`` of them, with the layers of :func:`helpers.parallel.pipeline_schedules.stage_layers`.
+- :func:`run_schedule` runs one rank's list of actions from a :class:`helpers.parallel.pipeline_schedules.Schedule`. Activations
   travel forward and their gradients backward by point-to-point messages, each tagged with its kind, chunk and
   micro-batch, so a message can only be taken for the one it is; sends are asynchronous and receives wait, so the
   order the schedule gives is the order the rank works in. Every message is counted in
-  :data:`helpers.ledger.LEDGER` as it is posted; every action is written into the rank's list of :class:`Event` s,
+  :data:`helpers.parallel.ledger.LEDGER` as it is posted; every action is written into the rank's list of :class:`Event` s,
   with the bytes :class:`SavedActivations` measured afterwards.
 - :func:`backward_input` and :func:`backward_weight` split a chunk's backward in two for the zero-bubble
   schedules, as ``torch.distributed.pipelining`` does: the first computes the gradients of the activations only,
@@ -31,20 +31,17 @@ import torch.distributed as dist
 from torch import nn
 from torch.autograd.graph import get_gradient_edge, saved_tensors_hooks
 
-from .budget import stage_layers
-from .dist import collective_timeout
-from .ledger import LEDGER, Message
-from .model import GPT, GPTConfig, cross_entropy
-from .pp_schedules import Action, Schedule, validate
+from helpers.parallel.pipeline_schedules import stage_layers
+from helpers.dist import collective_timeout
+from helpers.parallel.ledger import LEDGER, Message
+from helpers.model import GPT, GPTConfig, cross_entropy
+from helpers import layout_rules
+from helpers.parallel.pipeline_schedules import Action, Schedule, validate
 
 
 def check_layout(cfg: GPTConfig, n_chunks: int) -> None:
     """Raise a ValueError naming the broken constraint if ``cfg`` cannot be cut into ``n_chunks`` chunks."""
-    if n_chunks < 1:
-        raise ValueError(f"the pipeline needs at least one chunk, got n_chunks={n_chunks}")
-    if cfg.n_layers < n_chunks:
-        raise ValueError(f"n_chunks={n_chunks} (pp·v) must not exceed n_layers={cfg.n_layers}: every chunk needs a "
-                         f"layer")
+    layout_rules.pipeline_parallel(n_chunks, cfg.n_layers)
     if cfg.tie_embeddings and n_chunks > 1:
         raise ValueError("tie_embeddings=True puts one weight on the first and the last chunk: build the pipeline "
                          "model with tie_embeddings=False (or all-reduce that weight's gradient between the two "
@@ -285,7 +282,7 @@ def run_schedule(s: Schedule, chunks: dict[int, PipelineChunk], tokens: torch.Te
 
     Returns ``(losses, events)``: each micro-batch's loss on the rank that runs the last chunk (else empty),
     and one :class:`Event` per action. The schedule is validated first, so a bad one raises a
-    :class:`helpers.pp_schedules.ScheduleError` before any message is sent.
+    :class:`helpers.parallel.pipeline_schedules.ScheduleError` before any message is sent.
     """
     validate(s)
     if sorted(chunks) != s.chunks_of(rank):

@@ -20,8 +20,8 @@ names: a block computed whole and then masked costs as much as an unmasked one. 
 block's transfer before it computes and waits after (:class:`RingTransfer`); :data:`EVENTS` records the order.
 :func:`cp_gpt_forward` runs the book's GPT on one rank's tokens with either attention plugged in.
 
-Ring messages are *counted* in chapter 02's ledger, one :class:`~helpers.ledger.Message` per tensor sent or
-received. The all-to-alls are torch collectives, *booked* with :meth:`~helpers.ledger.Ledger.record` (the
+Ring messages are *counted* in chapter 02's ledger, one :class:`~helpers.parallel.ledger.Message` per tensor sent or
+received. The all-to-alls are torch collectives, *booked* with :meth:`~helpers.parallel.ledger.Ledger.record` (the
 formula's bytes for the buffer passed); :class:`TorchCollectives` sees which torch collectives really ran, on
 which group, with which sizes.
 """
@@ -37,8 +37,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .ledger import LEDGER, Message
-from .model import cross_entropy
+from helpers import layout_rules
+from helpers.parallel.ledger import LEDGER, Message
+from helpers.model import cross_entropy
 
 HEAD_DIM, SEQ_DIM = 1, 2  # q, k, v are (batch, heads, sequence, head_dim), as F.scaled_dot_product_attention
 
@@ -63,14 +64,9 @@ class CPLayout:
     kind: str = "contiguous"
 
     def __post_init__(self):
-        if self.cp < 1:
-            raise ValueError(f"cp must be at least 1, got {self.cp}")
         if self.kind not in ("contiguous", "zigzag"):
             raise ValueError(f"the layout must be 'contiguous' or 'zigzag', got {self.kind!r}")
-        chunks = self.cp if self.kind == "contiguous" else 2 * self.cp
-        if self.seq_len % chunks:
-            what = f"cp={self.cp}" if self.kind == "contiguous" else f"2*cp={chunks} (the zig-zag chunks)"
-            raise ValueError(f"{what} must divide seq_len={self.seq_len}")
+        layout_rules.context_parallel(self.cp, self.seq_len, zigzag=self.kind == "zigzag")
 
     def positions(self, rank: int) -> torch.Tensor:
         """The global positions rank ``rank`` holds, in the order it holds them."""
@@ -89,9 +85,7 @@ def causal_pairs(layout: CPLayout, rank: int) -> int:
 
 def check_heads(n_heads: int, n_kv_heads: int, cp: int) -> None:
     """Ulysses gives each rank ``1/cp`` of the heads: ``cp`` must divide both head counts."""
-    for name, n in (("n_heads", n_heads), ("n_kv_heads", n_kv_heads)):
-        if n % cp:
-            raise ValueError(f"Ulysses: cp={cp} must divide {name}={n}: each rank computes whole heads")
+    layout_rules.ulysses(cp, n_heads, n_kv_heads)
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -26,7 +26,7 @@ and :func:`allreduce_sequence_parallel_grads` sums their gradients.
 :class:`TensorParallelGPT` is :class:`helpers.model.GPT` made of these layers; :func:`from_reference` builds
 one rank's copy from the reference's weights (:func:`shard_state`), and :func:`unshard_state` puts the ranks'
 shards (of parameters or gradients) back together under the reference's names. Every collective is booked in
-:data:`helpers.ledger.LEDGER`.
+:data:`helpers.parallel.ledger.LEDGER`.
 """
 
 from __future__ import annotations
@@ -36,8 +36,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from .ledger import LEDGER
-from .model import GPTConfig
+from helpers import layout_rules
+from helpers.parallel.ledger import LEDGER
+from helpers.model import GPTConfig
 
 SEQ_DIM = 1  # activations are (batch, sequence, features), as in helpers.model
 
@@ -307,20 +308,8 @@ def vocab_parallel_cross_entropy(logits, targets, vocab_start: int, group=None) 
 
 def check_layout(cfg: GPTConfig, tp: int, sequence_parallel: bool = False) -> None:
     """Raise a ValueError naming the broken constraint if ``cfg`` cannot be split over ``tp`` ranks."""
-    if tp < 1:
-        raise ValueError(f"tp must be at least 1, got {tp}")
-    if cfg.n_heads % tp:
-        raise ValueError(f"tp={tp} must divide n_heads={cfg.n_heads}: each rank computes whole attention heads")
-    if cfg.n_kv_heads % tp:
-        raise ValueError(f"tp={tp} must divide n_kv_heads={cfg.n_kv_heads}: each rank keeps the KV heads of its "
-                         f"query heads (replicating KV heads when tp > n_kv_heads is not implemented here)")
-    if cfg.d_ff % tp:
-        raise ValueError(f"tp={tp} must divide d_ff={cfg.d_ff}: each rank computes d_ff/tp hidden units")
-    if cfg.vocab_size % tp:
-        raise ValueError(f"tp={tp} must divide vocab_size={cfg.vocab_size}: pad the vocabulary to a multiple "
-                         f"of tp")
-    if sequence_parallel and cfg.seq_len % tp:
-        raise ValueError(f"sequence parallelism: tp={tp} must divide seq_len={cfg.seq_len}")
+    layout_rules.tensor_parallel(tp, cfg.n_heads, cfg.n_kv_heads, cfg.d_ff, cfg.vocab_size,
+                                 seq_len=cfg.seq_len if sequence_parallel else None)
 
 
 def _norm(cfg: GPTConfig, sequence_parallel: bool) -> nn.LayerNorm:

@@ -24,7 +24,7 @@ and ``β`` from measured ``(collective, bytes, world_size, seconds)`` samples by
 world sizes. Nothing here knows which algorithm gloo or NCCL really runs: booked bytes and fitted
 parameters are those of the model's algorithm.
 
-    from helpers.ledger import LEDGER, expected_bytes, fit, time_collective
+    from helpers.parallel.ledger import LEDGER, expected_bytes, fit, time_collective
     LEDGER.record("all_reduce", grads)                 # book a torch collective a chapter called
     LEDGER.booked("all_reduce")[0].numel               # what the booking proves: the buffer it was given
     sent, received = LEDGER.totals("ring_all_reduce", counted=True)  # bytes the book's ring really moved

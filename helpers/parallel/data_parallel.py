@@ -10,7 +10,7 @@ each a step towards PyTorch's ``DistributedDataParallel`` (Li et al. 2020):
   is accumulated, so communication runs while backward computes the remaining gradients;
 - :meth:`OverlappedDDP.no_sync`: gradient accumulation, communicating only on the last micro-step.
 
-Every ``torch.distributed.all_reduce`` is *booked* in the chapter 02 ledger (:data:`helpers.ledger.LEDGER`):
+Every ``torch.distributed.all_reduce`` is *booked* in the chapter 02 ledger (:data:`helpers.parallel.ledger.LEDGER`):
 the booking proves the group and the buffer it was given, not the bytes that moved. Given the book's own ring
 all-reduce (``OverlappedDDP(..., all_reduce=ring_all_reduce)``), every message is *counted* instead.
 
@@ -28,8 +28,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from .checks import check_equal
-from .ledger import LEDGER
+from helpers.checks import check_equal
+from helpers.parallel.ledger import LEDGER
 
 
 def average_gradients(model: torch.nn.Module, group=None) -> None:

@@ -1,4 +1,4 @@
-"""Run a command and end every process it leaves behind: ``python -m helpers.reap -- CMD ...``.
+"""Run a command and end every process it leaves behind: ``python -m helpers.tools.reap -- CMD ...``.
 
 The book's build starts kernels, each kernel starts a controller and engines in their own sessions. If a
 kernel is killed, its engines survive it. This wrapper makes itself a child subreaper (Linux
@@ -20,7 +20,7 @@ import sys
 import tempfile
 import time
 
-from .janitor import children
+from helpers.tools.janitor import children
 
 PR_SET_CHILD_SUBREAPER = 36
 
@@ -87,7 +87,7 @@ def main(argv: list[str]) -> int:
     if argv and argv[0] == "--":
         argv = argv[1:]
     if not argv:
-        print("usage: python -m helpers.reap -- CMD [ARG ...]", file=sys.stderr)
+        print("usage: python -m helpers.tools.reap -- CMD [ARG ...]", file=sys.stderr)
         return 2
     if sys.platform.startswith("linux"):
         libc = ctypes.CDLL(None, use_errno=True)

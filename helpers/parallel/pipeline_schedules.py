@@ -299,3 +299,26 @@ def peak_alive_formula(name: str, p: int, m: int, rank: int, v: int = 1) -> int:
     if name == "ZB-H1":
         return min(p, m)
     raise ValueError(f"no peak formula for {name!r}")
+
+
+def stage_layers(n_layers: int, pp: int) -> list[range]:
+    """The layers of each pipeline stage: as even as possible, the first stages taking one more if needed."""
+    base, extra = divmod(n_layers, pp)
+    bounds = [0]
+    for stage in range(pp):
+        bounds.append(bounds[-1] + base + (1 if stage < extra else 0))
+    return [range(a, b) for a, b in zip(bounds, bounds[1:])]
+
+
+def micro_batches_in_flight(schedule: str, pp: int, vpp: int, m: int, stage: int) -> float:
+    """How many micro-batches' worth of its activations pipeline stage ``stage`` holds at its peak.
+
+    GPipe keeps all ``m``; 1F1B keeps ``pp - stage`` (Narayanan et al. 2021). Interleaved 1F1B keeps
+    ``2(pp-1-stage) + (vpp-1)·pp + 1`` chunks, each ``1/vpp`` of the stage; on the first stage that is
+    ``pp + (pp-1)/vpp``, Korthikanti et al. (2022), eq. 5. Chapter 06 measures these peaks on every rank.
+    """
+    if schedule == "gpipe":
+        return m
+    if vpp == 1:
+        return min(pp - stage, m)
+    return min(2 * (pp - 1 - stage) + (vpp - 1) * pp + 1, vpp * m) / vpp

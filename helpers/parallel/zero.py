@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .ledger import LEDGER
+from helpers.parallel.ledger import LEDGER
 
 
 def shard_rows(n_rows: int, world_size: int) -> int:

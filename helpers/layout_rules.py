@@ -1,0 +1,74 @@
+"""The constraints a parallel layout must meet, each stated once, with one wording of each error (chapter 01).
+
+Chapter 01's calculator checks a layout for a model it only knows by its shape; chapters 05-08 check the same
+layout before they split a real model. Both call these functions, so a rule cannot drift between the two and a
+reader meets the same sentence wherever it is broken: ``<degree>=<n> must divide <field>=<m>: <why>``, the
+field named as the model's configuration names it. ``of`` adds the model's name where one is known.
+"""
+
+from __future__ import annotations
+
+
+def require_positive(**degrees: int) -> None:
+    """Every degree of parallelism is at least 1."""
+    for name, value in degrees.items():
+        if value < 1:
+            raise ValueError(f"{name} must be at least 1, got {value}")
+
+
+def require_divides(degree: str, value: int, field: str, n: int, why: str, of: str = "") -> None:
+    """``value`` ranks split ``n`` things evenly, or the error names both and says why it must."""
+    if n % value:
+        where = f" of {of}" if of else ""
+        raise ValueError(f"{degree}={value} must divide {field}={n}{where}: {why}")
+
+
+def tensor_parallel(tp: int, n_heads: int, n_kv_heads: int, d_ff: int, vocab_size: int,
+                    seq_len: int | None = None, of: str = "") -> None:
+    """Megatron's split (chapter 05): whole heads, whole KV heads, hidden units and vocabulary rows per rank;
+    with sequence parallelism (``seq_len`` given: the tokens one tensor-parallel group holds) whole tokens too."""
+    require_positive(tp=tp)
+    require_divides("tp", tp, "n_heads", n_heads, "each rank computes whole attention heads", of)
+    require_divides("tp", tp, "n_kv_heads", n_kv_heads, "each rank keeps the KV heads of its query heads "
+                    "(replicating KV heads when tp > n_kv_heads is not implemented here)", of)
+    require_divides("tp", tp, "d_ff", d_ff, "each rank computes d_ff/tp hidden units", of)
+    require_divides("tp", tp, "vocab_size", vocab_size, "pad the vocabulary to a multiple of tp", of)
+    if seq_len is not None:
+        require_divides("tp", tp, "seq_len", seq_len, "sequence parallelism gives each rank seq_len/tp tokens")
+
+
+def pipeline_parallel(n_chunks: int, n_layers: int, of: str = "") -> None:
+    """Chapter 06: every model chunk (``pp`` stages times ``vpp`` virtual stages) holds at least one layer."""
+    if n_chunks < 1:
+        raise ValueError(f"the pipeline needs at least one chunk, got n_chunks={n_chunks}")
+    if n_chunks > n_layers:
+        where = f" of {of}" if of else ""
+        raise ValueError(f"n_chunks={n_chunks} (pp·vpp) must not exceed n_layers={n_layers}{where}: every chunk "
+                         f"needs a layer")
+
+
+def context_parallel(cp: int, seq_len: int, zigzag: bool = False) -> None:
+    """Chapter 07: each rank holds ``seq_len/cp`` positions; zig-zag cuts the sequence into ``2·cp`` chunks."""
+    require_positive(cp=cp)
+    if zigzag:
+        require_divides("2*cp", 2 * cp, "seq_len", seq_len, "the zig-zag layout cuts the sequence into 2·cp chunks")
+    else:
+        require_divides("cp", cp, "seq_len", seq_len, "each rank holds seq_len/cp positions")
+
+
+def ulysses(cp: int, n_heads: int, n_kv_heads: int) -> None:
+    """Chapter 07: Ulysses's all-to-all gives each rank ``1/cp`` of the query heads and of the KV heads."""
+    require_divides("cp", cp, "n_heads", n_heads, "Ulysses gives each rank whole heads")
+    require_divides("cp", cp, "n_kv_heads", n_kv_heads, "Ulysses gives each rank whole heads")
+
+
+def expert_parallel(ep: int, n_experts: int, of: str = "") -> None:
+    """Chapter 08: each rank holds ``n_experts/ep`` whole experts."""
+    require_positive(ep=ep)
+    require_divides("ep", ep, "n_experts", n_experts, "each rank holds n_experts/ep experts", of)
+
+
+def mesh(world_size: int, dp: int, tp: int, pp: int, cp: int) -> None:
+    """The ranks are a grid: their number is the product of the degrees (expert parallelism lies inside dp·cp)."""
+    if world_size != dp * tp * pp * cp:
+        raise ValueError(f"world size {world_size} != dp*tp*pp*cp = {dp}*{tp}*{pp}*{cp} = {dp * tp * pp * cp}")

@@ -1,0 +1,217 @@
+"""The time model of one training step: what each parallelism sends, and alpha-beta time (chapter 01).
+
+Each kind of parallelism has its traffic formula here, public, and the chapter whose ledger measures that
+traffic shows it and checks it: data parallelism and ZeRO in chapters 03 and 04, tensor parallelism in 05, the
+pipeline in 06, context parallelism in 07, expert parallelism in 08.
+
+- bytes of ring collectives: a ring all-reduce sends 2(n-1)/n of the buffer from each rank, an all-gather or a
+  reduce-scatter (n-1)/n (Patarasuk and Yuan 2009);
+- time: the alpha-beta model, latency alpha per message plus bytes over bandwidth (Hockney 1994).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from helpers.parallel.ledger import cost_terms
+from helpers.parallel.pipeline_schedules import stage_layers
+
+if TYPE_CHECKING:
+    from helpers.memory_budget import Budget, Layout
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """Hardware for the time model. Bandwidths are per GPU, in bytes per second, as nccl-tests' bus bandwidth."""
+
+    name: str
+    gpus_per_node: int
+    peak_flops: float          # dense FLOP/s of one GPU at the compute precision
+    intra_bw: float            # within a node (NVLink)
+    inter_bw: float            # between nodes (InfiniBand / RoCE)
+    intra_alpha: float = 5e-6  # latency of one message within a node, seconds
+    inter_alpha: float = 10e-6
+    efficiency: float = 0.5    # fraction of peak the matmuls achieve
+
+
+H100 = Cluster("8x H100 SXM per node, NVLink 4 and 8x400 Gb/s InfiniBand", gpus_per_node=8,
+               peak_flops=989e12, intra_bw=360e9, inter_bw=45e9)
+
+
+@dataclass(frozen=True)
+class DPTransfer:
+    """Data-parallel collectives issued together, ``times`` per step, and the compute they may hide behind.
+
+    ``behind`` is "backward" (the backward of one micro-batch: the gradients it reduces are final only once the
+    micro-batch that produced them has passed), "forward" (ZeRO-3's prefetched gather before a micro-batch's
+    forward) or "" (nothing: the parameters' all-gather after the optimizer step).
+    """
+
+    kind: str          # "dp" or "dp (experts)": the group, for its link
+    nbytes: float      # per occurrence
+    messages: int      # sequential message steps per occurrence
+    times: int         # occurrences per step
+    behind: str
+
+
+# --------------------------------------------------------------------------------------------- traffic
+
+def ring_all_reduce_bytes(n_bytes: int, n: int) -> float:
+    """Bytes one rank sends in a ring all-reduce of ``n_bytes`` over ``n`` ranks: 2(n-1)/n of the buffer."""
+    return cost_terms("ring_all_reduce", n)[1] * n_bytes
+
+
+def ring_all_gather_bytes(n_bytes: int, n: int) -> float:
+    """All-gather (or reduce-scatter) of an ``n_bytes`` result: (n-1)/n of it, per rank."""
+    return cost_terms("ring_all_gather", n)[1] * n_bytes
+
+
+def data_parallel_traffic(n_params: int, group: int, zero: int, m: int, precision, label: str = "dp"):
+    """The data-parallel collectives of one step for ``n_params`` parameters reduced over ``group`` ranks.
+
+    Unsharded gradients accumulate over the ``m`` micro-batches and are reduced once (an all-reduce; ZeRO-1 a
+    reduce-scatter, then an all-gather of the updated parameters); sharded ones (ZeRO-2, ZeRO-3) keep only this
+    rank's shard, so every micro-batch's gradient is reduce-scattered before the next overwrites the unsharded
+    buffer; ZeRO-3 also gathers the parameters for every micro-batch's forward and again for its backward.
+    """
+    g, p = n_params * precision.grad_bytes, n_params * precision.param_bytes
+    rs, ag, n = ring_all_gather_bytes(g, group), ring_all_gather_bytes(p, group), group - 1
+    if zero == 0:
+        plan = [(ring_all_reduce_bytes(g, group), 2 * n, 1, "backward")]
+    elif zero == 1:
+        plan = [(rs, n, 1, "backward"), (ag, n, 1, "")]
+    elif zero == 2:
+        plan = [(rs, n, m, "backward"), (ag, n, 1, "")]
+    else:
+        plan = [(ag, n, m, "forward"), (ag + rs, 2 * n, m, "backward")]
+    return [DPTransfer(label, nbytes, k, times, behind) for nbytes, k, times, behind in plan]
+
+
+def tensor_parallel_traffic(x_bytes: int, tp: int, sp: bool, layers: int, m: int, recompute: str = "none",
+                            embedding: bool = True) -> tuple[float, int]:
+    """Bytes one rank sends per step and its message steps, for ``layers`` layers whose activation tensor
+    (one micro-batch, this rank's tokens) is ``x_bytes``.
+
+    Two all-reduces per layer forward and two backward (Megatron's f and g); with sequence parallelism each
+    becomes an all-gather and a reduce-scatter (the same bytes), and backward gathers the inputs of the two
+    column-parallel layers again, half an all-reduce each: the activation accounting of Korthikanti et al. 2022
+    keeps only this rank's slice of them, as Megatron does. A fully recomputed forward repeats the forward's
+    two. The vocabulary-parallel embedding (forward) counts where ``embedding`` is on this rank's stage; the LM
+    head's input (backward, re-gathered with SP) always does: with pipeline stages the model charges the
+    busiest stage's layers and the costlier end, the head.
+    """
+    all_reduce = ring_all_reduce_bytes(x_bytes, tp)  # = an all-gather + a reduce-scatter of x
+    regather = ring_all_gather_bytes(x_bytes, tp) if sp else 0
+    n_layer = 4 + (2 if recompute == "full" else 0)  # all-reduces, or all-gather/reduce-scatter pairs
+    head = all_reduce + regather
+    sent = m * (layers * (n_layer * all_reduce + 2 * regather) + head + (all_reduce if embedding else 0))
+    pairs = layers * n_layer + (2 if embedding else 1)
+    return sent, m * (2 * pairs + ((2 * layers + 1) if sp else 0)) * (tp - 1)
+
+
+def pipeline_traffic(boundary_bytes: int, vpp: int, m: int) -> tuple[float, int]:
+    """An interior stage sends every micro-batch's activations forward and their gradients back, per chunk."""
+    return 2 * vpp * m * boundary_bytes, 2 * vpp * m
+
+
+def context_parallel_traffic(kv_bytes: int, cp: int, layers: int, m: int) -> tuple[float, int]:
+    """Ring attention sends K and V forward and K, V and their gradients backward, ``cp - 1`` steps each way,
+    in every layer: three ``kv_bytes`` blocks per step (``kv_bytes`` holds both K and V)."""
+    return m * layers * 3 * (cp - 1) * kv_bytes, m * layers * 3 * (cp - 1)
+
+
+def expert_parallel_traffic(routed_bytes: int, ep: int, moe_layers: int, m: int) -> tuple[float, int]:
+    """The all-to-alls of every MoE layer (dispatch and combine forward, their two gradients backward), each
+    sending the ``(ep-1)/ep`` of the ``routed_bytes`` (tokens x top-k rows) that leave this rank, under uniform
+    routing."""
+    return m * moe_layers * 4 * (ep - 1) * routed_bytes / ep, m * moe_layers * 4 * (ep - 1)
+
+
+def traffic(model, batch, L, P, act, dense: int, expert: int, m: int):
+    """Bytes each parallelism sends from one rank per optimizer step, its sequential message steps, and when the
+    data-parallel part of it runs (:class:`DPTransfer`): the formulas above, for the busiest pipeline stage."""
+    sent, steps, transfers = {}, {}, []
+    for label, count, group in (("dp", dense, L.dp * L.cp), ("dp (experts)", expert, L.dp * L.cp // L.ep)):
+        if group == 1 or count == 0:
+            continue
+        plan = data_parallel_traffic(count, group, L.zero, m, P, label)
+        transfers += plan
+        sent[label] = sum(x.nbytes * x.times for x in plan)
+        steps[label] = sum(x.messages * x.times for x in plan)
+    s_rank = batch.seq_len // L.cp
+    x = batch.micro_batch * s_rank * model.d_model * P.act_bytes  # one activation tensor of a micro-batch
+    stage = max(stage_layers(model.n_layers, L.pp), key=len)  # the busiest stage
+    if L.tp > 1:
+        sent["tp"], steps["tp"] = tensor_parallel_traffic(x, L.tp, L.sp, len(stage), m, act.recompute,
+                                                          embedding=L.pp == 1)
+    if L.pp > 1:
+        sent["pp"], steps["pp"] = pipeline_traffic(x // (L.tp if L.sp else 1), L.vpp, m)
+    if L.cp > 1:
+        kv = 2 * batch.micro_batch * s_rank * model.n_kv_heads * model.head_dim * P.act_bytes // L.tp
+        sent["cp"], steps["cp"] = context_parallel_traffic(kv, L.cp, len(stage), m)
+    if L.ep > 1 and model.n_experts:
+        tokens = batch.micro_batch * s_rank // (L.tp if L.sp else 1)
+        routed = tokens * model.top_k * model.d_model * P.act_bytes
+        sent["ep"], steps["ep"] = expert_parallel_traffic(routed, L.ep, model.moe_layers_in(stage), m)
+    return sent, steps, transfers
+
+
+# --------------------------------------------------------------------------------------------- time
+
+@dataclass
+class StepTime:
+    compute_s: float
+    comm_s: dict
+    exposed_comm_s: float
+    bubble_s: float
+    step_s: float
+    mfu: float
+
+
+def _group_bandwidth(kind: str, L: Layout, cluster: Cluster) -> tuple[float, float]:
+    """(bandwidth, alpha) of a group: within a node if its ranks fit in one (tp innermost, then cp, dp, pp)."""
+    span = {"tp": L.tp, "cp": L.tp * L.cp, "ep": L.tp * L.cp * L.ep, "dp": L.tp * L.cp * L.dp,
+            "dp (experts)": L.tp * L.cp * L.dp,
+            "pp": 2 * L.tp * L.cp * L.dp}[kind]  # pp: two neighbouring stages
+    if span <= cluster.gpus_per_node:
+        return cluster.intra_bw, cluster.intra_alpha
+    return cluster.inter_bw, cluster.inter_alpha
+
+
+def step_time(b: Budget, cluster: Cluster, overlap: bool = True) -> StepTime:
+    """The alpha-beta time of one step: compute at ``efficiency * peak``, each group's traffic at its link.
+
+    With ``overlap``, data-parallel traffic hides only behind compute that runs while it is in flight
+    (:class:`DPTransfer`): a gradient reduction behind the backward of the micro-batch whose gradients it
+    reduces, so a reduction once per step hides behind the last micro-batch's backward alone, 2/3 of
+    compute/m (on the first pipeline stage, whose last backward ends the step: later stages could also hide
+    it behind their cooldown, but the step waits for the first); ZeRO-3's gathers behind the micro-batch they
+    serve; the parameters' all-gather after the optimizer step behind nothing. Tensor-, context- and
+    expert-parallel traffic sits on the critical path. The pipeline bubble adds (pp-1)/(vpp*m) of the
+    compute (Narayanan et al. 2021).
+    """
+    L, m = b.layout, b.micro_batches
+    rate = cluster.peak_flops * cluster.efficiency
+    compute = b.flops["total"] / L.world_size / rate
+    forward = b.flops["model"] / 3 / L.world_size / rate / m  # one micro-batch's forward, without recomputation
+    window = {"forward": forward, "backward": compute / m - forward, "": 0.0}
+    comm = {}
+    for kind, n_bytes in b.sent.items():
+        bw, alpha = _group_bandwidth(kind, L, cluster)
+        comm[kind] = n_bytes / bw + b.messages[kind] * alpha
+    dp_comm = sum(v for k, v in comm.items() if k.startswith("dp"))
+    other = sum(v for k, v in comm.items() if not k.startswith("dp"))
+    if overlap:  # the transfers that share a window (the dense and the expert groups') run in it together
+        shared = {}
+        for x in b.dp_transfers:
+            bw, alpha = _group_bandwidth(x.kind, L, cluster)
+            shared[x.behind, x.times] = shared.get((x.behind, x.times), 0.0) + x.nbytes / bw + x.messages * alpha
+        dp_exposed = sum(times * max(0.0, seconds - window[behind]) for (behind, times), seconds in shared.items())
+    else:
+        dp_exposed = dp_comm
+    exposed = other + dp_exposed
+    bubble = compute * (L.pp - 1) / (L.vpp * m) if L.pp > 1 else 0.0
+    step = compute + bubble + exposed
+    mfu = b.flops["model"] / (step * L.world_size * cluster.peak_flops)
+    return StepTime(compute, comm, exposed, bubble, step, mfu)
