@@ -74,11 +74,11 @@ def test_data_is_deterministic_and_in_vocabulary():
     a, rest = text.splitlines()[0].split("+")
     b, c = rest.split("=")
     assert int(a) + int(b) == int(c)
-    x, y = data.batch(tokens, step=5, batch_size=4, seq_len=16, seed=1)
-    x2, y2 = data.batch(tokens, step=5, batch_size=4, seq_len=16, seed=1)
+    x, y = data.get_batch(tokens, step=5, batch_size=4, seq_len=16, seed=1)
+    x2, y2 = data.get_batch(tokens, step=5, batch_size=4, seq_len=16, seed=1)
     assert torch.equal(x, x2) and torch.equal(y, y2)
     assert torch.equal(x[:, 1:], y[:, :-1])
-    assert not torch.equal(x, data.batch(tokens, step=6, batch_size=4, seq_len=16, seed=1)[0])
+    assert not torch.equal(x, data.get_batch(tokens, step=6, batch_size=4, seq_len=16, seed=1)[0])
     assert torch.equal(torch.cat([data.rank_rows(x, r, 2) for r in range(2)]), x)
     with pytest.raises(ValueError, match="does not split evenly over 3 ranks"):
         data.rank_rows(x, 0, 3)
@@ -94,7 +94,7 @@ def test_a_few_steps_reduce_the_loss_fast():
     losses = []
     started = time.perf_counter()
     for step in range(30):
-        x, y = data.batch(tokens, step, batch_size=8, seq_len=cfg.seq_len)
+        x, y = data.get_batch(tokens, step, batch_size=8, seq_len=cfg.seq_len)
         _, loss = model(x, y)
         opt.zero_grad()
         loss.backward()
