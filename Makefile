@@ -1,8 +1,9 @@
 # The distributed training handbook: one command to set up, build and check everything.
 #
 #   make build         create .venv if needed, execute every notebook, build the HTML into _build/html
-#   make test          unit tests, the faulty-notebook tests, the full book build with warnings as errors, then
-#                      the browser test of the built pages (skipped, loudly, where no Chromium is installed)
+#   make test          the linter, the unit tests, the faulty-notebook tests, the full book build with warnings
+#                      as errors, then the browser test of the built pages (skipped, loudly, where no Chromium
+#                      is installed)
 #   make browser       the browser test alone, on the book `make build` built
 #   make chapter CH=00 execute and check one chapter (fast feedback while reading or writing)
 #   make torchrun CH=00 NPROC=4   run a chapter's %%px cells as a script under torchrun
@@ -21,6 +22,11 @@ CH ?= 00
 
 # Every command that may start ranks runs under the reaper: whatever it leaves alive is ended.
 REAP := $(PY) -m helpers.tools.reap --
+
+# show_source puts module lines on the page, which shows about 110 columns: the linter holds helpers/ and
+# tests/ to that, and to pycodestyle's errors and warnings and pyflakes (E, W, F). --no-cache: a run leaves
+# no .ruff_cache behind.
+LINT := $(VENV)/bin/ruff check --no-cache --line-length 110 --select E,F,W helpers tests
 
 .PHONY: build test unit browser chapter torchrun lab sync clean venv
 
@@ -41,6 +47,7 @@ build: $(STAMP)
 	@echo "HTML: _build/html/index.html"
 
 unit: $(STAMP)
+	$(LINT)
 	$(REAP) $(PY) -m pytest -q tests --ignore=tests/browser
 
 # Headless Chromium opens every built page offline at 1280 and 390 px (helpers/tools/browser_check.py).

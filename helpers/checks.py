@@ -4,11 +4,12 @@ Every claim in the book that a distributed computation equals the single-process
 :func:`check_close` (a stated tolerance) or :func:`check_equal` (bit for bit). Each call
 
 - names what it compares, prints the measured error next to the tolerance, and records the result;
-- raises :class:`CheckFailed` on a mismatch, a shape or dtype difference, or a NaN/inf that the reference does
-  not have; the message names the check, the rank it ran on, the error, where it is largest, and the tolerance.
+- raises :class:`CheckFailed` on a mismatch, a shape or dtype difference, or a NaN/inf that the reference
+  does not have; the message names the check, the rank it ran on, the error, where it is largest, and the
+  tolerance.
 
-The error measure is ``max |got - want|`` (max abs error) and that divided by ``max |want|`` (max rel error: it
-is relative to the tensor's scale, so near-zero entries do not blow it up). ``check_close`` passes when
+The error measure is ``max |got - want|`` (max abs error) and that divided by ``max |want|`` (max rel error:
+it is relative to the tensor's scale, so near-zero entries do not blow it up). ``check_close`` passes when
 ``max abs error <= atol + rtol * max |want|``.
 
 :func:`check_shard` compares one rank's shard with its place in the full reference tensor and, on a mismatch,
@@ -27,7 +28,7 @@ class CheckFailed(AssertionError):
     """A distributed result does not match its single-process reference."""
 
     def _render_traceback_(self) -> list[str]:
-        """What IPython shows: the message, which says what failed and by how much, without the checks' frames."""
+        """What IPython shows: the message (what failed and by how much), without the checks' frames."""
         from helpers.errors import full_tracebacks
 
         if full_tracebacks():
@@ -107,26 +108,30 @@ def _compare(name: str, got, want, rtol: float | None, atol: float, exact: bool)
     g = got.to("cpu", torch.float64)
     w = want.to("cpu", torch.float64)
     bad_got, bad_want = ~torch.isfinite(g), ~torch.isfinite(w)
-    if bool((bad_got != bad_want).any()) or bool((bad_got & bad_want & (g.nan_to_num() != w.nan_to_num())).any()):
-        first = int(torch.nonzero((bad_got != bad_want).flatten())[0]) if bool((bad_got != bad_want).any()) else 0
+    moved = bad_got != bad_want  # a NaN or inf where the reference has a finite value, or the other way round
+    if bool(moved.any()) or bool((bad_got & bad_want & (g.nan_to_num() != w.nan_to_num())).any()):
+        first = int(torch.nonzero(moved.flatten())[0]) if bool(moved.any()) else 0
         n_nan = int(torch.isnan(g).sum())
         _fail(name, where, tolerance,
               f"{n_nan} NaN and {int(torch.isinf(g).sum())} inf values where the reference has "
               f"{int(torch.isnan(w).sum())} NaN and {int(torch.isinf(w).sum())} inf; first difference at "
-              f"index {_index(first, g.shape)}: got {g.flatten()[first].item()}, want {w.flatten()[first].item()}")
+              f"index {_index(first, g.shape)}: got {g.flatten()[first].item()}, "
+              f"want {w.flatten()[first].item()}")
     finite = ~bad_want
     diff = torch.where(finite, (g - w).abs(), torch.zeros_like(g))
     max_abs = float(diff.max()) if diff.numel() else 0.0
     scale = float(w[finite].abs().max()) if bool(finite.any()) else 0.0
     max_rel = max_abs / scale if scale > 0 else (0.0 if max_abs == 0 else math.inf)
     if exact:
-        passed = bool(torch.equal(got.cpu(), want.cpu())) or (max_abs == 0.0 and bool((bad_got == bad_want).all()))
+        passed = (bool(torch.equal(got.cpu(), want.cpu()))
+                  or (max_abs == 0.0 and bool((bad_got == bad_want).all())))
     else:
         passed = max_abs <= atol + rtol * scale
     if not passed:
         at = int(diff.flatten().argmax()) if diff.numel() else 0
-        detail = (f"max abs error {max_abs:.3e} at index {_index(at, g.shape)} (got {g.flatten()[at].item():.8g}, "
-                  f"want {w.flatten()[at].item():.8g}); max rel error {max_rel:.3e}")
+        detail = (f"max abs error {max_abs:.3e} at index {_index(at, g.shape)} "
+                  f"(got {g.flatten()[at].item():.8g}, want {w.flatten()[at].item():.8g}); "
+                  f"max rel error {max_rel:.3e}")
         if exact:
             detail += f"; {int((diff != 0).sum())} of {diff.numel()} elements differ"
         _fail(name, where, tolerance, detail, max_abs, max_rel)
@@ -144,7 +149,8 @@ def _each(name: str, got, want, rtol, atol, exact, quiet):
         if missing or extra:
             _fail(name, _where(), "exact" if exact else f"rtol={rtol:.0e}",
                   f"keys differ from the reference: missing {missing}, unexpected {extra}")
-        return [r for key in want for r in _each(f"{name}[{key}]", got[key], want[key], rtol, atol, exact, quiet)]
+        return [r for key in want
+                for r in _each(f"{name}[{key}]", got[key], want[key], rtol, atol, exact, quiet)]
     result = _compare(name, got, want, rtol, atol, exact)
     if not quiet:
         print(f"ok  {result.name}: max abs error {result.max_abs:.2e}, max rel error {result.max_rel:.2e} "
@@ -215,7 +221,8 @@ def worst(prefix: str) -> tuple[float, float, int]:
 def summarize(prefix: str) -> None:
     """Print one line for the many quiet checks whose names start with ``prefix``: how many, and the worst."""
     worst_abs, worst_rel, n = worst(prefix)
-    print(f"ok  {prefix}: {n} comparisons, worst max abs error {worst_abs:.1e}, max rel error {worst_rel:.1e}")
+    print(f"ok  {prefix}: {n} comparisons, worst max abs error {worst_abs:.1e}, "
+          f"max rel error {worst_rel:.1e}")
 
 
 def check_reassembled(ranks, label: str, name: str, want: dict, *, unshard, replicated, rtol: float) -> None:
@@ -227,7 +234,8 @@ def check_reassembled(ranks, label: str, name: str, want: dict, *, unshard, repl
     replicated = list(replicated)
     for r in range(1, len(per_rank)):
         check_equal(f"{label}: replicated tensors equal to rank 0's, rank {r}",
-                    {n: per_rank[r][n] for n in replicated}, {n: per_rank[0][n] for n in replicated}, quiet=True)
+                    {n: per_rank[r][n] for n in replicated}, {n: per_rank[0][n] for n in replicated},
+                    quiet=True)
     worst_abs, worst_rel, _ = worst(label)
     print(f"ok  {label}: {len(want)} tensors, worst max abs error {worst_abs:.1e}, max rel error "
           f"{worst_rel:.1e} (rtol={rtol:.0e}); the {len(replicated)} replicated tensors agree bit for bit on "
@@ -322,14 +330,16 @@ def summary_table(rows: list[CheckResult]) -> str:
 
 
 def family_table(rows: list[CheckResult]) -> str:
-    """A Markdown table with one row per tolerance (exact, rtol=1e-06, ...): how many checks, the worst errors."""
+    """A Markdown table, one row per tolerance (exact, rtol=1e-06, ...): how many checks, the worst errors."""
     families: dict[str, list[CheckResult]] = {}
     for r in rows:
         families.setdefault(r.tolerance, []).append(r)
     lines = ["| tolerance | checks | max abs error | max rel error | all pass |", "|---|---|---|---|---|"]
     for tol, group in sorted(families.items(), key=lambda item: -len(item[1])):
         lines.append(f"| {tol} | {len(group)} | {max(r.max_abs for r in group):.2e} | "
-                     f"{max(r.max_rel for r in group):.2e} | {'yes' if all(r.passed for r in group) else '**NO**'} |")
+                     f"{max(r.max_rel for r in group):.2e} | "
+                     f"{'yes' if all(r.passed for r in group) else '**NO**'} |")
+
     return "\n".join(lines)
 
 

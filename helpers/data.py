@@ -4,9 +4,10 @@ The corpus is lines like ``482+39=521`` drawn from a seeded generator, so nothin
 build sees the same tokens. It is learnable (the digits after ``=`` follow from those before it), which lets
 later chapters show a loss that falls, and small enough to tokenize in milliseconds.
 
-``get_batch(tokens, step, batch_size, seq_len, seed)`` returns the *global* batch of a step: inputs and next-token
-targets of shape (batch_size, seq_len), the same on every rank and in the kernel. A data-parallel rank takes its
-own rows of it with :func:`rank_rows`.
+``get_batch(tokens, step, batch_size, seq_len, seed)`` returns the *global* batch of a step: inputs and
+next-token targets of shape (batch_size, seq_len), the same on every rank and in the kernel. A data-parallel
+rank takes its own rows of it with :func:`rank_rows`.
+
 """
 
 from __future__ import annotations

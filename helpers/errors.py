@@ -1,17 +1,20 @@
 """What a failure shows on the page: its message and the rank that raised it, not a wall of traceback.
 
-A ``%%px`` cell that fails on four ranks would show four full tracebacks, each with the build machine's absolute
-paths and the frames of the book's checking code, and the message that matters clipped at the right edge. With
-:func:`install` (called by :func:`helpers.ranks.start_ranks` for the notebook's kernel) a failure reads
+A ``%%px`` cell that fails on four ranks would show four full tracebacks, each with the build machine's
+absolute paths and the frames of the book's checking code, and the message that matters clipped at the right
+edge. With :func:`install` (called by :func:`helpers.ranks.start_ranks` for the notebook's kernel) a failure
+reads
 
     on rank 1: CheckFailed: check 'planted rank mismatch' failed on rank 1: max abs error 1.500e+00 ...
     on ranks 0, 2, 3: RuntimeError: ... Timed out waiting 5000ms ...
         at helpers/parallel/collectives.py:57, in ring_all_reduce
 
-one line per distinct error with the ranks that raised it; for any error but a failed check, the innermost frame
-of the book's own code, as a path inside the repository. Errors in the kernel itself show as ``Name: message``
-(IPython's ``Minimal`` mode). The build still fails exactly as before, and its log (``helpers/tools/build.py``) reads
-the same lines. ``BOOK_FULL_TRACEBACKS=1`` keeps every traceback whole, for debugging.
+one line per distinct error with the ranks that raised it; for any error but a failed check, the innermost
+frame of the book's own code, as a path inside the repository. Errors in the kernel itself show as
+``Name: message`` (IPython's ``Minimal`` mode). The build still fails exactly as before, and its log
+(``helpers/tools/build.py``) reads the same lines. ``BOOK_FULL_TRACEBACKS=1`` keeps every traceback whole, for
+debugging.
+
 """
 
 from __future__ import annotations

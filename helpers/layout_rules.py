@@ -26,7 +26,8 @@ def require_divides(degree: str, value: int, field: str, n: int, why: str, of: s
 def tensor_parallel(tp: int, n_heads: int, n_kv_heads: int, d_ff: int, vocab_size: int,
                     seq_len: int | None = None, of: str = "") -> None:
     """Megatron's split (chapter 05): whole heads, whole KV heads, hidden units and vocabulary rows per rank;
-    with sequence parallelism (``seq_len`` given: the tokens one tensor-parallel group holds) whole tokens too."""
+    with sequence parallelism (``seq_len`` given: the tokens one tensor-parallel group holds) whole tokens
+    too."""
     require_positive(tp=tp)
     require_divides("tp", tp, "n_heads", n_heads, "each rank computes whole attention heads", of)
     require_divides("tp", tp, "n_kv_heads", n_kv_heads, "each rank keeps the KV heads of its query heads "
@@ -34,7 +35,8 @@ def tensor_parallel(tp: int, n_heads: int, n_kv_heads: int, d_ff: int, vocab_siz
     require_divides("tp", tp, "d_ff", d_ff, "each rank computes d_ff/tp hidden units", of)
     require_divides("tp", tp, "vocab_size", vocab_size, "pad the vocabulary to a multiple of tp", of)
     if seq_len is not None:
-        require_divides("tp", tp, "seq_len", seq_len, "sequence parallelism gives each rank seq_len/tp tokens")
+        require_divides("tp", tp, "seq_len", seq_len,
+                        "sequence parallelism gives each rank seq_len/tp tokens")
 
 
 def pipeline_parallel(n_chunks: int, n_layers: int, of: str = "") -> None:
@@ -43,15 +45,17 @@ def pipeline_parallel(n_chunks: int, n_layers: int, of: str = "") -> None:
         raise ValueError(f"the pipeline needs at least one chunk, got n_chunks={n_chunks}")
     if n_chunks > n_layers:
         where = f" of {of}" if of else ""
-        raise ValueError(f"n_chunks={n_chunks} (pp·vpp) must not exceed n_layers={n_layers}{where}: every chunk "
-                         f"needs a layer")
+        raise ValueError(f"n_chunks={n_chunks} (pp·vpp) must not exceed n_layers={n_layers}{where}: "
+                         "every chunk needs a layer")
 
 
 def context_parallel(cp: int, seq_len: int, zigzag: bool = False) -> None:
-    """Chapter 07: each rank holds ``seq_len/cp`` positions; zig-zag cuts the sequence into ``2·cp`` chunks."""
+    """Chapter 07: each rank holds ``seq_len/cp`` positions; zig-zag cuts the sequence into ``2·cp``
+    chunks."""
     require_positive(cp=cp)
     if zigzag:
-        require_divides("2*cp", 2 * cp, "seq_len", seq_len, "the zig-zag layout cuts the sequence into 2·cp chunks")
+        require_divides("2*cp", 2 * cp, "seq_len", seq_len,
+                        "the zig-zag layout cuts the sequence into 2·cp chunks")
     else:
         require_divides("cp", cp, "seq_len", seq_len, "each rank holds seq_len/cp positions")
 
@@ -69,6 +73,9 @@ def expert_parallel(ep: int, n_experts: int, of: str = "") -> None:
 
 
 def mesh(world_size: int, dp: int, tp: int, pp: int, cp: int) -> None:
-    """The ranks are a grid: their number is the product of the degrees (expert parallelism lies inside dp·cp)."""
+    """The ranks are a grid: their number is the product of the degrees (expert parallelism lies inside
+    dp·cp)."""
     if world_size != dp * tp * pp * cp:
-        raise ValueError(f"world size {world_size} != dp*tp*pp*cp = {dp}*{tp}*{pp}*{cp} = {dp * tp * pp * cp}")
+        raise ValueError(f"world size {world_size} != dp*tp*pp*cp = {dp}*{tp}*{pp}*{cp} "
+                         f"= {dp * tp * pp * cp}")
+

@@ -1,8 +1,10 @@
-"""The memory budget of one rank: parameters, gradients, optimizer states and activations, in bytes (chapter 01).
+"""The memory budget of one rank: parameters, gradients, optimizer states, activations, in bytes (chapter 01).
 
-Give it a model shape and a batch (:mod:`helpers.model_size`), a parallel layout, a precision recipe and an
-activation model; it returns what one rank of the busiest pipeline stage holds, the FLOPs of a step, and the
-bytes each kind of parallelism sends (:mod:`helpers.time_model`, which also gives the time of the step).
+The second of the three parts of chapter 01's calculator. Give :func:`budget` a model shape and a batch
+(:mod:`helpers.model_size`), a parallel layout, a precision recipe and an activation model; it returns what
+one rank of the busiest pipeline stage holds, the FLOPs of a step, and the bytes each kind of parallelism
+sends (from the traffic formulas of :mod:`helpers.time_model`, which also gives the time of the step).
+
 
 Sources of the formulas, each cited where it is used:
 - memory of mixed-precision Adam and the ZeRO stages: Rajbhandari et al. 2020 (ZeRO), sections 3 and 5;
@@ -21,7 +23,8 @@ from helpers.parallel.pipeline_schedules import micro_batches_in_flight, stage_l
 
 @dataclass(frozen=True)
 class Layout:
-    """How the world is split. ``zero`` is the ZeRO stage over the data-parallel (x context-parallel) group."""
+    """How the world is split. ``zero`` is the ZeRO stage over the data-parallel (× context-parallel)
+    ranks."""
 
     dp: int = 1
     tp: int = 1
@@ -86,8 +89,8 @@ class ActivationModel:
     8; RMSNorm's 1/rms: 4; the paper ignores them: 0). ``attention`` is "materialized" (the softmax
     probabilities, a*s*s per sequence, are stored) or "flash" (only a log-sum-exp per query row, in fp32).
     ``kv_expanded``: the grouped K/V heads are repeated to all query heads before attention, and the repeated
-    copies are what is saved. ``recompute`` is "none", "selective" (the attention core is recomputed) or "full"
-    (only each layer's input is kept).
+    copies are what is saved. ``recompute`` is "none", "selective" (the attention core is recomputed) or
+    "full" (only each layer's input is kept).
     """
 
     dropout: bool = False
@@ -126,7 +129,8 @@ def validate(model: ModelShape, batch: Batch, layout: Layout, world_size: int | 
                          f"dp*micro_batch = {L.dp}*{batch.micro_batch}")
     m = batch.global_batch // (L.dp * batch.micro_batch)
     if L.vpp > 1 and m % L.pp:
-        raise ValueError(f"interleaved 1F1B needs the micro-batches per step ({m}) to be a multiple of pp={L.pp}")
+        raise ValueError(f"interleaved 1F1B needs the micro-batches per step ({m}) to be a multiple of "
+                         f"pp={L.pp}")
 
 
 # --------------------------------------------------------------------------------------------- activations
@@ -203,7 +207,7 @@ class Budget:
 
 def _stage_params(model: ModelShape, layout: Layout) -> list[tuple[int, int]]:
     """(dense, expert) parameter counts each pipeline stage holds on one tensor/expert-parallel rank."""
-    t, ep, pp = layout.tp, layout.ep, layout.pp
+    tp, ep, pp = layout.tp, layout.ep, layout.pp
     attn_layer = _attention_params(model)
     mlp_layer = _mlp_params(model, model.d_ff)
     norm = _norm_params(model)
@@ -212,15 +216,16 @@ def _stage_params(model: ModelShape, layout: Layout) -> list[tuple[int, int]]:
         moe_layers = model.moe_layers_in(layers)
         dense_layers = len(layers) - moe_layers
         layers_per_stage = len(layers)
-        dense = layers_per_stage * (attn_layer // t + 2 * norm) + dense_layers * (mlp_layer // t)
+        dense = layers_per_stage * (attn_layer // tp + 2 * norm) + dense_layers * (mlp_layer // tp)
         dense += moe_layers * model.n_experts * model.d_model  # routers, replicated
-        expert = moe_layers * (model.n_experts // ep) * (mlp_layer // t)
+        expert = moe_layers * (model.n_experts // ep) * (mlp_layer // tp)
         if stage == 0:
-            dense += model.vocab_size * model.d_model // t + model.learned_positions * model.d_model
+            dense += model.vocab_size * model.d_model // tp + model.learned_positions * model.d_model
         if stage == pp - 1:
             dense += norm
             if not model.tie_embeddings or pp > 1:  # a tied head on another stage keeps its own copy
-                dense += model.vocab_size * model.d_model // t
+                dense += model.vocab_size * model.d_model // tp
+
         stages.append((dense, expert))
     return stages
 
@@ -240,7 +245,8 @@ def model_state_bytes(n_params: int, dp: int, zero: int, precision: Precision) -
 def budget(model: ModelShape, batch: Batch, layout: Layout, precision: Precision = BF16,
            act: ActivationModel = ActivationModel(), world_size: int | None = None,
            stage: int | None = None) -> Budget:
-    """The budget of one rank of pipeline stage ``stage``; by default of the stage that needs the most memory."""
+    """The budget of one rank of pipeline stage ``stage``; by default of the stage that needs the most
+    memory."""
     validate(model, batch, layout, world_size)
     L, P = layout, precision
     m = batch.global_batch // (L.dp * batch.micro_batch)

@@ -1,8 +1,8 @@
 """The size of a model: its shape, its parameters and the FLOPs of a training step (chapter 01).
 
-Half of chapter 01's calculator (:mod:`helpers.memory_budget` holds what a rank keeps, :mod:`helpers.time_model`
-what a step sends and how long it takes). Counted as exact integers, so that chapter 01 can check them against
-the book's GPT, against published sizes and against PyTorch's FLOP counter.
+The first of the three parts of chapter 01's calculator: :mod:`helpers.memory_budget` adds what one rank
+keeps, :mod:`helpers.time_model` what a step sends and how long it takes. Counted as exact integers, so that
+chapter 01 can check them against the book's GPT, against published sizes and against PyTorch's FLOP counter.
 
 - FLOPs: 2 FLOPs per multiply-add of every matmul, backward twice the forward (Kaplan et al. 2020 give the
   resulting 6·N·tokens), plus the attention matmuls (Narayanan et al. 2021).
@@ -92,7 +92,8 @@ class ParamCount:
 
     @property
     def total(self) -> int:
-        return self.embedding + self.head + self.attention + self.mlp_dense + self.experts + self.router + self.norms
+        return (self.embedding + self.head + self.attention + self.mlp_dense + self.experts + self.router
+                + self.norms)
 
 
 def _norm_params(model: ModelShape) -> int:
@@ -160,10 +161,10 @@ def step_flops(model: ModelShape, batch: Batch, recompute: str = "none") -> dict
     """FLOPs of one optimizer step over the whole job (all ranks), split into matmuls and attention.
 
     Forward is 2 FLOPs per weight per token; backward computes two matmuls for each forward one (gradient of
-    the input and of the weight), so a training step is 3x the forward: 6*N*tokens. Full recomputation runs the
-    transformer layers' forward once more (4x for them), not the LM head's: each layer's checkpoint ends at its
-    output, and the head's forward is kept (Narayanan et al. 2021, eq. 3: 96Bslh^2 for the layers, 6BshV for
-    the head). Selective recomputation repeats the attention core only.
+    the input and of the weight), so a training step is 3x the forward: 6*N*tokens. Full recomputation runs
+    the transformer layers' forward once more (4x for them), not the LM head's: each layer's checkpoint ends
+    at its output, and the head's forward is kept (Narayanan et al. 2021, eq. 3: 96Bslh^2 for the layers,
+    6BshV for the head). Selective recomputation repeats the attention core only.
     """
     tokens = batch.global_batch * batch.seq_len
     linear_fwd = 2 * matmul_params(model) * tokens
@@ -179,8 +180,10 @@ def step_flops(model: ModelShape, batch: Batch, recompute: str = "none") -> dict
 # --------------------------------------------------------------------------------------------- presets
 
 GPT2_SMALL = ModelShape("GPT-2 small", n_layers=12, d_model=768, n_heads=12, n_kv_heads=12, d_ff=3072,
-                        vocab_size=50257, gated=False, tie_embeddings=True, norm="layernorm", linear_bias=True,
-                        learned_positions=1024, source="Radford et al. 2019 (the 124M release)")
+                        vocab_size=50257, gated=False, tie_embeddings=True, norm="layernorm",
+                        linear_bias=True, learned_positions=1024,
+                        source="Radford et al. 2019 (the 124M release)")
+
 LLAMA3_8B = ModelShape("Llama-3 8B", n_layers=32, d_model=4096, n_heads=32, n_kv_heads=8, d_ff=14336,
                        vocab_size=128256, source="Llama Team 2024, table 3")
 LLAMA3_70B = ModelShape("Llama-3 70B", n_layers=80, d_model=8192, n_heads=64, n_kv_heads=8, d_ff=28672,

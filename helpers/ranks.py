@@ -10,8 +10,8 @@ Three things make sure no engine outlives the notebook:
 - the collective timeout (see :mod:`helpers.dist`) is shorter than a cell's timeout, so a rank stuck in a
   collective raises instead of hanging the cell;
 - ``ranks.stop()`` runs when the kernel exits (atexit), and when ``start_ranks`` is called again;
-- a small janitor process (:mod:`helpers.tools.janitor`) kills the engines and the controller if the kernel dies
-  without running atexit (killed, or restarted from JupyterLab).
+- a small janitor process (:mod:`helpers.tools.janitor`) kills the engines and the controller if the kernel
+  dies without running atexit (killed, or restarted from JupyterLab).
 
 Nothing else outlives it either: the rendezvous file and the IPython profile the controller and engines write
 into (connection files, logs, the engine-state file) live in one temporary folder per set of ranks, and
@@ -163,7 +163,9 @@ def start_ranks(world_size: int = 4, *, timeout_s: float | None = None, activate
     config.LocalEngineSetLauncher.engine_args = ["--IPEngine.enable_nanny=False"]
     run_dir = tempfile.mkdtemp(prefix="book-rendezvous-")
     store_file = os.path.join(run_dir, "store")
-    # The cluster's own profile, not ~/.ipython: its connection files, logs and engine-state file go with run_dir.
+    # The cluster's own profile, not ~/.ipython: its connection files, logs and engine-state file go with
+    # run_dir.
+
     cluster = ipp.Cluster(n=world_size, controller_ip="127.0.0.1", log_level=logging.ERROR, config=config,
                           profile_dir=os.path.join(run_dir, "ipython"))
     janitor = None

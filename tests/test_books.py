@@ -13,8 +13,8 @@ BOOKS = os.path.join(ROOT, "tests", "books")
 
 def build(source: str, out: str) -> subprocess.CompletedProcess:
     """Build as `make build` does: under the reaper, through helpers.tools.build (-W -n --keep-going)."""
-    cmd = [sys.executable, "-m", "helpers.tools.reap", "--", sys.executable, "-m", "helpers.tools.build", source,
-           "--path-output", out]
+    cmd = [sys.executable, "-m", "helpers.tools.reap", "--", sys.executable, "-m", "helpers.tools.build",
+           source, "--path-output", out]
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
 
 
@@ -24,7 +24,10 @@ def test_faulty_notebooks_fail_the_build_and_say_why(tmp_path):
     print(done.stdout[-4000:], done.stderr[-2000:])
     assert done.returncode != 0
     summary = done.stdout[done.stdout.index("==== the book build failed"):]
-    failed = lambda name: f"{name}.md: WARNING: Executing notebook failed" in summary
+
+    def failed(name):
+        return f"{name}.md: WARNING: Executing notebook failed" in summary
+
     # a mismatch raised on one rank in a %%px cell: the rank, the check and its numbers
     assert failed("1_rank_mismatch")
     assert "1_rank_mismatch.md: on rank 1: CheckFailed: check 'planted rank mismatch' failed on rank 1: " \
@@ -35,7 +38,9 @@ def test_faulty_notebooks_fail_the_build_and_say_why(tmp_path):
            "max abs error 5.000e-01" in summary
     # one rank waiting in a collective the others never join: a bounded failure, not a hang
     assert failed("3_hung_collective")
-    assert "3_hung_collective.md: on rank 0: RuntimeError:" in summary and "Timed out waiting 5000ms" in summary
+    assert "3_hung_collective.md: on rank 0: RuntimeError:" in summary
+    assert "Timed out waiting 5000ms" in summary
+
     # the kernel itself killed while its ranks run: this one stops the build
     assert "4_killed_kernel.md: nbclient.exceptions.DeadKernelError: Kernel died" in summary
     assert wait_until_gone(5) == [], "a faulty build left processes behind"

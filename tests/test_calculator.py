@@ -1,4 +1,9 @@
-"""The budget calculator: parameter counts, the ZeRO rule, activations, FLOPs, traffic, and its errors."""
+"""The calculator (chapter 01): parameter counts, the ZeRO rule, activations, FLOPs, traffic, time, errors.
+
+Everything runs in this process: counts in exact integers, float formulas to rel=1e-12 (1e-6 where no
+tolerance is given), and the presets within 1% of the sizes the models are known by.
+"""
+
 
 from dataclasses import replace
 
@@ -6,14 +11,16 @@ import pytest
 import torch
 
 from helpers import memory_budget, model_size, time_model
+from helpers.memory_budget import Layout, budget
+from helpers.model_size import LLAMA3_8B, LLAMA3_70B, LLAMA3_405B, Batch, ModelShape
 from helpers.parallel import pipeline_schedules
 from helpers.model import GPT, GPTConfig
 
 
 def test_preset_parameter_counts_match_the_architectures():
     assert model_size.count_params(model_size.GPT2_SMALL).total == 124_439_808  # the GPT-2 small release
-    assert model_size.count_params(model_size.LLAMA3_8B).total == 8_030_261_248
-    assert model_size.count_params(model_size.LLAMA3_70B).total == 70_553_706_496
+    assert model_size.count_params(LLAMA3_8B).total == 8_030_261_248
+    assert model_size.count_params(LLAMA3_70B).total == 70_553_706_496
     assert model_size.active_params(model_size.MIXTRAL_8X7B) == 12_879_925_248
     for model in model_size.PRESETS:
         total, active = model_size.NOMINAL_PARAMS[model.name]
@@ -24,7 +31,8 @@ def test_preset_parameter_counts_match_the_architectures():
 @pytest.mark.parametrize("cfg", [GPTConfig(), GPTConfig(tie_embeddings=False, gated=True, n_kv_heads=4)])
 def test_the_books_gpt_is_counted_exactly(cfg):
     model = GPT(cfg)
-    assert model_size.count_params(model_size.ModelShape.from_gpt(cfg)).total == sum(p.numel() for p in model.parameters())
+    counted = model_size.count_params(ModelShape.from_gpt(cfg)).total
+    assert counted == sum(p.numel() for p in model.parameters())
 
 
 def test_zero_rule_reproduces_figure_1_of_the_zero_paper():
@@ -35,10 +43,12 @@ def test_zero_rule_reproduces_figure_1_of_the_zero_paper():
 
 def test_korthikanti_closed_forms():
     s, b, h, a, t = 2048, 4, 1024, 16, 4
-    m = model_size.ModelShape("k", 1, h, a, a, 4 * h, 64, gated=False, norm="layernorm")
-    act = lambda **kw: memory_budget.layer_activation_bytes(m, s, b, memory_budget.KORTHIKANTI if not kw.get("r") else
-                                               replace(memory_budget.KORTHIKANTI, recompute=kw["r"]), memory_budget.BF16,
-                                               kw.get("t", 1), kw.get("sp", False))
+    m = ModelShape("k", 1, h, a, a, 4 * h, 64, gated=False, norm="layernorm")
+
+    def act(t=1, sp=False, r="none"):
+        model = replace(memory_budget.KORTHIKANTI, recompute=r)
+        return memory_budget.layer_activation_bytes(m, s, b, model, memory_budget.BF16, t, sp)
+
     sbh = s * b * h
     assert act() == sbh * 34 + 5 * a * s * s * b
     assert act(t=t) == sbh * 10 + sbh * 24 // t + 5 * a * s * s * b // t
@@ -49,21 +59,22 @@ def test_korthikanti_closed_forms():
 
 
 def test_flops_are_six_n_t_plus_attention():
-    batch = model_size.Batch(seq_len=2048, micro_batch=1, global_batch=64)
-    f = model_size.step_flops(model_size.LLAMA3_8B, batch)
+    batch = Batch(seq_len=2048, micro_batch=1, global_batch=64)
+    f = model_size.step_flops(LLAMA3_8B, batch)
     tokens = 64 * 2048
-    assert f["linear"] == 6 * model_size.matmul_params(model_size.LLAMA3_8B) * tokens
+    assert f["linear"] == 6 * model_size.matmul_params(LLAMA3_8B) * tokens
     assert f["attention"] == 3 * 32 * 4 * tokens * 2048 * 4096
     # full recomputation repeats the layers' forward, not the LM head's (Narayanan et al. 2021, eq. 3)
-    head_forward = 2 * model_size.LLAMA3_8B.vocab_size * model_size.LLAMA3_8B.d_model * tokens
-    full = model_size.step_flops(model_size.LLAMA3_8B, batch, "full")
+    head_forward = 2 * LLAMA3_8B.vocab_size * LLAMA3_8B.d_model * tokens
+    full = model_size.step_flops(LLAMA3_8B, batch, "full")
     assert full["total"] == f["total"] + f["linear"] // 3 - head_forward + f["attention"] // 3
     assert full["model"] == f["model"]
 
 
 def test_full_recomputation_flops_against_flop_counter():
-    """Checkpointing every block of the book's GPT: FlopCounterMode counts what the calculator predicts (with
-    early stopping off, PyTorch recomputes the whole block, as Megatron does; on, it skips the last matmul)."""
+    """Checkpointing every block of the book's GPT: FlopCounterMode counts what the calculator predicts
+    (with early stopping off, PyTorch recomputes the whole block, as Megatron does; on, it skips the last
+    matmul)."""
     from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
     from helpers.measure import count_flops
@@ -80,13 +91,15 @@ def test_full_recomputation_flops_against_flop_counter():
 
     with set_checkpoint_early_stop(False):
         counted = sum(count_flops(step).values())
-    assert counted == model_size.step_flops(model_size.ModelShape.from_gpt(cfg), model_size.Batch(cfg.seq_len, b, b), "full")["total"]
+    predicted = model_size.step_flops(ModelShape.from_gpt(cfg), Batch(cfg.seq_len, b, b), "full")
+    assert counted == predicted["total"]
+
 
 
 def test_zero_stages_shard_what_they_should():
-    batch = model_size.Batch(4096, 1, 64)
-    states = {z: memory_budget.budget(model_size.LLAMA3_8B, batch, memory_budget.Layout(dp=8, zero=z)) for z in range(4)}
-    n = model_size.count_params(model_size.LLAMA3_8B).total
+    batch = Batch(4096, 1, 64)
+    states = {z: budget(LLAMA3_8B, batch, Layout(dp=8, zero=z)) for z in range(4)}
+    n = model_size.count_params(LLAMA3_8B).total
     assert states[0].optimizer_bytes == 12 * n
     assert states[1].optimizer_bytes == 12 * -(-n // 8) and states[1].grad_bytes == 2 * n
     assert states[2].grad_bytes == 2 * -(-n // 8) and states[2].param_bytes == 2 * n
@@ -97,23 +110,23 @@ def test_zero_stages_shard_what_they_should():
 
 
 def test_zero2_reduce_scatters_every_micro_batch():
-    """Sharded gradients cannot accumulate whole: one reduce-scatter per micro-batch, one all-gather per step."""
-    n = model_size.count_params(model_size.LLAMA3_8B).total
+    """Sharded gradients cannot accumulate whole: a reduce-scatter per micro-batch, an all-gather per step."""
+    n = model_size.count_params(LLAMA3_8B).total
     for m in (1, 4):
-        b = memory_budget.budget(model_size.LLAMA3_8B, model_size.Batch(4096, 1, 8 * m), memory_budget.Layout(dp=8, zero=2))
+        b = budget(LLAMA3_8B, Batch(4096, 1, 8 * m), Layout(dp=8, zero=2))
         assert b.micro_batches == m
         assert b.sent["dp"] == pytest.approx((m + 1) * 7 / 8 * 2 * n, rel=1e-12)
         assert b.messages["dp"] == (m + 1) * 7
 
 
 def test_sequence_parallel_sends_the_backward_regathers_too():
-    """SP's all-gathers and reduce-scatters carry what TP's all-reduces carry, plus two re-gathers per layer in
-    backward and one for the LM head's input: 25 % more (chapter 05 books them on the real run)."""
-    batch = model_size.Batch(4096, 1, 8)
-    tp = memory_budget.budget(model_size.LLAMA3_8B, batch, memory_budget.Layout(tp=8))
-    sp = memory_budget.budget(model_size.LLAMA3_8B, batch, memory_budget.Layout(tp=8, sp=True))
-    x = 4096 * model_size.LLAMA3_8B.d_model * 2  # one activation of a micro-batch, bf16
-    m, layers = 8, model_size.LLAMA3_8B.n_layers
+    """SP's all-gathers and reduce-scatters carry what TP's all-reduces carry, plus two re-gathers per layer
+    in backward and one for the LM head's input: 25 % more (chapter 05 books them on the real run)."""
+    batch = Batch(4096, 1, 8)
+    tp = budget(LLAMA3_8B, batch, Layout(tp=8))
+    sp = budget(LLAMA3_8B, batch, Layout(tp=8, sp=True))
+    x = 4096 * LLAMA3_8B.d_model * 2  # one activation of a micro-batch, bf16
+    m, layers = 8, LLAMA3_8B.n_layers
     assert tp.sent["tp"] == pytest.approx(m * (4 * layers + 2) * 2 * 7 / 8 * x, rel=1e-12)
     assert sp.sent["tp"] - tp.sent["tp"] == pytest.approx(m * (2 * layers + 1) * 7 / 8 * x, rel=1e-12)
     assert sp.sent["tp"] == pytest.approx(1.25 * tp.sent["tp"], rel=1e-12)
@@ -123,23 +136,24 @@ def test_sequence_parallel_sends_the_backward_regathers_too():
 
 def test_interleaved_stages_hold_fewer_chunks_down_the_pipeline():
     """Chapter 06 measures 11, 9, 7, 5 chunks on p=4, v=2, m=8; the first stage is Korthikanti's eq. 5."""
-    assert [pipeline_schedules.micro_batches_in_flight("1f1b", 4, 2, 8, r) * 2 for r in range(4)] == [11, 9, 7, 5]
-    assert pipeline_schedules.micro_batches_in_flight("1f1b", 4, 2, 8, 0) == 4 * (1 + 3 / 8)
-    assert [pipeline_schedules.micro_batches_in_flight("1f1b", 4, 1, 8, r) for r in range(4)] == [4, 3, 2, 1]
-    assert pipeline_schedules.micro_batches_in_flight("gpipe", 4, 1, 8, 3) == 8
-    model, batch = model_size.LLAMA3_8B, model_size.Batch(4096, 1, 8)
-    acts = [memory_budget.budget(model, batch, memory_budget.Layout(pp=4, vpp=2), stage=r).activation_bytes for r in range(4)]
+    in_flight = pipeline_schedules.micro_batches_in_flight
+    assert [in_flight("1f1b", 4, 2, 8, r) * 2 for r in range(4)] == [11, 9, 7, 5]
+    assert in_flight("1f1b", 4, 2, 8, 0) == 4 * (1 + 3 / 8)
+    assert [in_flight("1f1b", 4, 1, 8, r) for r in range(4)] == [4, 3, 2, 1]
+    assert in_flight("gpipe", 4, 1, 8, 3) == 8
+    batch = Batch(4096, 1, 8)
+    acts = [budget(LLAMA3_8B, batch, Layout(pp=4, vpp=2), stage=r).activation_bytes for r in range(4)]
     assert [round(a / acts[3] * 5, 6) for a in acts] == [11, 9, 7, 5]
 
 
 def test_uneven_pipeline_stages():
     assert [len(r) for r in pipeline_schedules.stage_layers(126, 16)] == [8] * 14 + [7] * 2
-    b = memory_budget.budget(model_size.LLAMA3_405B, model_size.Batch(8192, 1, 2048), memory_budget.Layout(dp=128, tp=8, pp=16, vpp=2, sp=True, zero=1))
+    b = budget(LLAMA3_405B, Batch(8192, 1, 2048), Layout(dp=128, tp=8, pp=16, vpp=2, sp=True, zero=1))
     assert b.params_on_rank > 0
 
 
 def test_step_time_and_mfu_are_sane():
-    b = memory_budget.budget(model_size.LLAMA3_70B, model_size.Batch(8192, 1, 1024), memory_budget.Layout(dp=8, tp=8, pp=4, zero=1, sp=True))
+    b = budget(LLAMA3_70B, Batch(8192, 1, 1024), Layout(dp=8, tp=8, pp=4, zero=1, sp=True))
     t = time_model.step_time(b, time_model.H100)
     assert 0 < t.mfu < time_model.H100.efficiency
     assert t.step_s > t.compute_s
@@ -149,7 +163,7 @@ def test_gradient_all_reduce_hides_only_behind_the_last_micro_batch_backward():
     """With m micro-batches, the all-reduce of the accumulated gradients starts in the last backward: it can
     hide behind 2/3 of compute/m, not 2/3 of the whole step's compute."""
     m = 8
-    b = memory_budget.budget(model_size.LLAMA3_8B, model_size.Batch(8192, 1, 64 * m), memory_budget.Layout(dp=64))
+    b = budget(LLAMA3_8B, Batch(8192, 1, 64 * m), Layout(dp=64))
     t = time_model.step_time(b, time_model.H100)
     last_backward = 2 / 3 * t.compute_s / m
     assert last_backward < t.comm_s["dp"] < 2 / 3 * t.compute_s  # the old model hid all of it
@@ -161,48 +175,49 @@ def test_gradient_all_reduce_hides_only_behind_the_last_micro_batch_backward():
 def test_mfu_counts_model_flops_only():
     """PaLM's MFU: (6N + 12·L·H·Q·T) FLOPs per token times tokens per second over the peak; recomputation
     changes the step time, never the numerator."""
-    model, batch = model_size.LLAMA3_8B, model_size.Batch(8192, 1, 64)
+    model, batch = LLAMA3_8B, Batch(8192, 1, 64)
     n_matmul = model_size.count_params(model).total - model.vocab_size * model.d_model - \
         (2 * model.n_layers + 1) * model.d_model  # the embedding lookup and the norms do no matmul
     per_token = 6 * n_matmul + 12 * model.n_layers * model.n_heads * model.head_dim * batch.seq_len
     for recompute in ("none", "full"):
-        b = memory_budget.budget(model, batch, memory_budget.Layout(dp=8, tp=8), act=memory_budget.ActivationModel(recompute=recompute))
+        b = budget(model, batch, Layout(dp=8, tp=8), act=memory_budget.ActivationModel(recompute=recompute))
         t = time_model.step_time(b, time_model.H100)
         tokens_per_s = batch.global_batch * batch.seq_len / t.step_s
         assert t.mfu == pytest.approx(per_token * tokens_per_s / (64 * time_model.H100.peak_flops), rel=1e-12)
 
 
 @pytest.mark.parametrize("layout, batch, message", [
-    (memory_budget.Layout(tp=3), model_size.Batch(4096, 1, 8), "tp=3 must divide n_heads=32 of Llama-3 8B"),
-    (memory_budget.Layout(tp=16), model_size.Batch(4096, 1, 8), "tp=16 must divide n_kv_heads=8"),
-    (memory_budget.Layout(pp=33), model_size.Batch(4096, 1, 8), r"n_chunks=33 \(pp·vpp\) must not exceed n_layers=32 of Llama-3 8B"),
-    (memory_budget.Layout(cp=3), model_size.Batch(4096, 1, 8), "cp=3 must divide seq_len=4096"),
-    (memory_budget.Layout(dp=4), model_size.Batch(4096, 1, 6), "must be a multiple of dp\\*micro_batch"),
-    (memory_budget.Layout(dp=2, ep=2), model_size.Batch(4096, 1, 8), "ep=2 > 1 but Llama-3 8B has no experts"),
+    (Layout(tp=3), Batch(4096, 1, 8), "tp=3 must divide n_heads=32 of Llama-3 8B"),
+    (Layout(tp=16), Batch(4096, 1, 8), "tp=16 must divide n_kv_heads=8"),
+    (Layout(pp=33), Batch(4096, 1, 8), r"n_chunks=33 \(pp·vpp\) must not exceed n_layers=32 of Llama-3 8B"),
+    (Layout(cp=3), Batch(4096, 1, 8), "cp=3 must divide seq_len=4096"),
+    (Layout(dp=4), Batch(4096, 1, 6), "must be a multiple of dp\\*micro_batch"),
+    (Layout(dp=2, ep=2), Batch(4096, 1, 8), "ep=2 > 1 but Llama-3 8B has no experts"),
 ])
 def test_bad_layouts_name_the_constraint(layout, batch, message):
     with pytest.raises(ValueError, match=message):
-        memory_budget.budget(model_size.LLAMA3_8B, batch, layout)
+        budget(LLAMA3_8B, batch, layout)
 
 
 def test_bad_layout_fields_are_refused_at_once():
     with pytest.raises(ValueError, match="needs tp > 1"):
-        memory_budget.Layout(sp=True)
+        Layout(sp=True)
     with pytest.raises(ValueError, match="ZeRO stage"):
-        memory_budget.Layout(zero=4)
+        Layout(zero=4)
     with pytest.raises(ValueError, match="ep=3 must divide dp\\*cp=4"):
-        memory_budget.Layout(dp=4, ep=3)
+        Layout(dp=4, ep=3)
     with pytest.raises(ValueError, match="world size 16 != dp\\*tp\\*pp\\*cp"):
-        memory_budget.budget(model_size.LLAMA3_8B, model_size.Batch(4096, 1, 8), memory_budget.Layout(dp=8), world_size=16)
+        budget(LLAMA3_8B, Batch(4096, 1, 8), Layout(dp=8), world_size=16)
 
 
 @pytest.mark.parametrize("gated", [False, True])
 def test_measured_activations_of_the_books_gpt(gated):
-    """The calculator's profile of the book's GPT equals what autograd saves, per layer, exactly; gated, the MLP
-    keeps gate, silu(gate), up and their product (four d_ff-wide tensors)."""
+    """The calculator's profile of the book's GPT equals what autograd saves, per layer, exactly; gated, the
+    MLP keeps gate, silu(gate), up and their product (four d_ff-wide tensors)."""
     from helpers.measure import saved_bytes_per_layer
 
     cfg = GPTConfig(gated=gated)
     act = memory_budget.ActivationModel(attention="flash", kv_expanded=True, norm_stat_bytes=8)
-    shape = model_size.ModelShape.from_gpt(cfg)
-    assert saved_bytes_per_layer(cfg, 2, 32) == memory_budget.layer_activation_bytes(shape, 32, 2, act, memory_budget.FP32)
+    shape = ModelShape.from_gpt(cfg)
+    assert saved_bytes_per_layer(cfg, 2, 32) == memory_budget.layer_activation_bytes(shape, 32, 2, act,
+                                                                                      memory_budget.FP32)

@@ -126,14 +126,15 @@ def test_report_lists_every_check_and_raises_on_a_failure():
 
 
 def test_summary_table_merges_ranks():
-    rows = [checks.CheckResult("g", f"rank {r}", 1e-7 * r, 1e-7, "rtol=1e-06, atol=0e+00", True) for r in range(4)]
+    rows = [checks.CheckResult("g", f"rank {r}", 1e-7 * r, 1e-7, "rtol=1e-06, atol=0e+00", True)
+            for r in range(4)]
     table = checks.summary_table(rows)
     assert "| g | ranks 0–3 | 4 | 3.00e-07 |" in table
-    merged = checks.summary_table([checks.CheckResult(f"grads, rank {r}[w{i}]", "kernel", 1e-8, 1e-7, "rtol", True)
-                                   for r in range(2) for i in range(3)])
+    merged = checks.summary_table([checks.CheckResult(f"grads, rank {r}[w{i}]", "kernel", 1e-8, 1e-7, "rtol",
+                                                      True) for r in range(2) for i in range(3)])
     assert "| grads | kernel (results of ranks 0–1) | 6 | 1.00e-08 | 1.00e-07 | rtol | yes |" in merged
-    shards = checks.summary_table([checks.CheckResult(f"rows, rank {r} (dim 0, offset {4 * r}, length 4)", "kernel",
-                                                      0.0, 0.0, "exact", True) for r in range(3)])
+    shards = checks.summary_table([checks.CheckResult(f"rows, rank {r} (dim 0, offset {4 * r}, length 4)",
+                                                      "kernel", 0.0, 0.0, "exact", True) for r in range(3)])
     assert "| rows | kernel (results of ranks 0–2) | 3 |" in shards
 
 
@@ -157,7 +158,9 @@ def test_check_every_rank_names_the_rank_that_is_wrong():
         checks.check_every_rank(FakeRanks(), "grads", "g", {"w": torch.ones(2)}, rtol=1e-6)
 
 
-class _TwoShards:  # what check_reassembled needs of helpers.ranks.Ranks: rank r holds row r of "w" and all of "b"
+class _TwoShards:  # what check_reassembled needs of helpers.ranks.Ranks: rank r holds row r of "w", "b" whole
+
+
     def __init__(self, b1):
         self.b1 = b1
 

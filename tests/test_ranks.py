@@ -29,9 +29,9 @@ def book_processes() -> list[str]:
     found = []
     for proc in psutil.process_iter(["pid", "cmdline", "status"]):
         cmd = " ".join(proc.info["cmdline"] or [])
-        if proc.info["status"] == psutil.STATUS_ZOMBIE or not any(
-                key in cmd for key in ("ipyparallel.engine", "ipyparallel.controller", "helpers.tools.janitor",
-                                       "torch.distributed.run")):
+        ours = ("ipyparallel.engine", "ipyparallel.controller", "helpers.tools.janitor",
+                "torch.distributed.run")
+        if proc.info["status"] == psutil.STATUS_ZOMBIE or not any(key in cmd for key in ours):
             continue
         try:
             if proc.environ().get("BOOK_TEST_RUN") == marker:
@@ -59,7 +59,7 @@ def ranks():
 
 
 def test_the_cluster_writes_only_into_the_ranks_folder(ranks):
-    """Its profile (connection files, logs, the engine-state file) is not ~/.ipython's, so stop() removes it."""
+    """Its profile (connection files, logs, the engine-state file) is not ~/.ipython's: stop() removes it."""
     assert os.path.commonpath([ranks.cluster.profile_dir, ranks.run_dir]) == ranks.run_dir
     assert glob.glob(os.path.join(ranks.run_dir, "ipython", "log", "engines*.json")), \
         "the controller's engine-state file is not in the ranks' folder"
@@ -139,11 +139,14 @@ def test_reaper_ends_orphans_and_keeps_the_status():
     assert done.returncode == 3
     assert "ended 2 process(es)" in done.stderr, done.stderr
     assert time.monotonic() - started < 20
-    assert not [p for p in psutil.process_iter(["cmdline"]) if (p.info["cmdline"] or [None])[-1] in ("301", "302")]
+    assert not [p for p in psutil.process_iter(["cmdline"])
+                if (p.info["cmdline"] or [None])[-1] in ("301", "302")]
 
 
 def test_reaper_gives_the_command_a_temporary_folder_and_removes_it():
-    """Third-party code (torch's inductor cache, torchrun's logs) writes into TMPDIR; nothing of it may stay."""
+    """Third-party code (torch's inductor cache, torchrun's logs) writes into TMPDIR; none of it may stay."""
+
+
     cmd = [sys.executable, "-m", "helpers.tools.reap", "--", "sh", "-c",
            'mkdir "$TMPDIR/torchinductor_x" && echo left > "$TMPDIR/torchinductor_x/file" && echo "$TMPDIR"']
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=60, cwd=ROOT)

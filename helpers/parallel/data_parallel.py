@@ -1,4 +1,4 @@
-"""Data parallelism from scratch (chapter 03): every rank holds the whole model and its own slice of the batch.
+"""Data parallelism from scratch (chapter 03): every rank holds the whole model and its own rows of the batch.
 
 After backward each rank holds the gradient of *its* loss; averaging the gradients over the ranks gives the
 gradient of the mean loss over the global batch, so every rank takes the same optimizer step. Four versions,
@@ -10,9 +10,10 @@ each a step towards PyTorch's ``DistributedDataParallel`` (Li et al. 2020):
   is accumulated, so communication runs while backward computes the remaining gradients;
 - :meth:`OverlappedDDP.no_sync`: gradient accumulation, communicating only on the last micro-step.
 
-Every ``torch.distributed.all_reduce`` is *booked* in the chapter 02 ledger (:data:`helpers.parallel.ledger.LEDGER`):
-the booking proves the group and the buffer it was given, not the bytes that moved. Given the book's own ring
-all-reduce (``OverlappedDDP(..., all_reduce=ring_all_reduce)``), every message is *counted* instead.
+Every ``torch.distributed.all_reduce`` is *booked* in the chapter 02 ledger
+(:data:`helpers.parallel.ledger.LEDGER`): the booking proves the group and the buffer it was given, not the
+bytes that moved. Given the book's own ring all-reduce (``OverlappedDDP(..., all_reduce=ring_all_reduce)``),
+every message is *counted* instead.
 
 :class:`CommunicationWatch` and :func:`check_communication` check the communication pattern from outside the
 code under test: the watch's own gradient hooks and a wrapper around ``torch.distributed.all_reduce`` record,
@@ -176,7 +177,8 @@ class CommunicationWatch:
     def __init__(self, model: torch.nn.Module):
         self.events: list[tuple[str, object, int]] = []
         self.param_bytes = {n: p.numel() * p.element_size() for n, p in model.named_parameters()}
-        self._hooks = [p.register_post_accumulate_grad_hook(self._grad(n)) for n, p in model.named_parameters()]
+        self._hooks = [p.register_post_accumulate_grad_hook(self._grad(n))
+                       for n, p in model.named_parameters()]
         self._all_reduce = None
 
     def _grad(self, name: str):
@@ -224,6 +226,8 @@ def check_communication(label: str, watch: CommunicationWatch, cap_bytes: int) -
                                                                      if n > cap_bytes and n not in lone], [],
                 quiet=True)
     check_equal(f"{label}: consecutive buckets that would fit under the cap as one",
-                [f"{a:,} + {b:,} bytes" for a, b in zip(sizes, sizes[1:]) if a + b <= cap_bytes], [], quiet=True)
+                [f"{a:,} + {b:,} bytes" for a, b in zip(sizes, sizes[1:]) if a + b <= cap_bytes], [],
+                quiet=True)
+
     check_equal(f"{label}: all-reduces called before backward's last gradient, of {len(sizes)}",
                 watch.launched_before_last_gradient(), max(0, len(sizes) - 1), quiet=True)

@@ -156,7 +156,8 @@ class Call:
 
 
 _WATCHED = {  # torch.distributed name: (the name recorded, the argument holding the full buffer)
-    "all_reduce": ("all_reduce", "tensor"), "broadcast": ("broadcast", "tensor"), "reduce": ("reduce", "tensor"),
+    "all_reduce": ("all_reduce", "tensor"), "broadcast": ("broadcast", "tensor"),
+    "reduce": ("reduce", "tensor"),
     "all_gather_single": ("all_gather_single", "output_tensor"),
     "all_gather_into_tensor": ("all_gather_single", "output_tensor"),
     "reduce_scatter_single": ("reduce_scatter_single", "input"),
@@ -219,7 +220,8 @@ class ShardedAdamW:
         self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
         self.params = list(model.parameters())
         self.names = {p: name for name, p in model.named_parameters()}
-        self.shards = [torch.nn.Parameter(shard_of(p.detach(), self.rank, self.world_size)) for p in self.params]
+        self.shards = [torch.nn.Parameter(shard_of(p.detach(), self.rank, self.world_size))
+                       for p in self.params]
         self.shard_of_param = dict(zip(self.params, self.shards))
         self.optimizer = torch.optim.AdamW(self.shards, **adamw)
         self.memory = LiveMemory(model, self.optimizer)
@@ -272,9 +274,11 @@ class Zero3:
         self.names = {p: name for name, p in model.named_parameters()}
         in_units = {p for unit in units for p in unit.parameters()}
         self.units = [list(unit.parameters()) for unit in units]
-        self.units.insert(0, [p for p in self.params if p not in in_units])  # the root: embeddings, final norm
+        # the root: what no unit holds (embeddings, final norm)
+        self.units.insert(0, [p for p in self.params if p not in in_units])
         self.rows = {p: p.shape[0] for p in self.params}
-        self.shards = {p: torch.nn.Parameter(shard_of(p.detach(), self.rank, self.world_size)) for p in self.params}
+        self.shards = {p: torch.nn.Parameter(shard_of(p.detach(), self.rank, self.world_size))
+                       for p in self.params}
         self.unsharded = {}  # parameter: its padded full rows, a tensor over the parameter's own storage
         for p in self.params:
             full = p.detach().new_zeros((self.shards[p].shape[0] * self.world_size, *p.shape[1:]))
@@ -292,7 +296,8 @@ class Zero3:
         for i, unit in enumerate(units, start=1):
             unit.register_forward_pre_hook(lambda *_, i=i: self._gather(i, then=i + 1 if i < last else None))
             unit.register_forward_hook(lambda *_, i=i: self._free(i) if self.reshard_after_forward else None)
-            unit.register_full_backward_pre_hook(lambda *_, i=i: self._gather(i, then=i - 1 if i > 1 else None))
+            unit.register_full_backward_pre_hook(
+                lambda *_, i=i: self._gather(i, then=i - 1 if i > 1 else None))
         for p in self.params:
             p.register_post_accumulate_grad_hook(self._reduce_now)
 
@@ -306,7 +311,8 @@ class Zero3:
             full = self.unsharded[p]
             p.untyped_storage().resize_(full.numel() * full.element_size())
             LEDGER.record("all_gather", full, self.group)
-            works.append(dist.all_gather_single(full, self.shards[p].detach(), group=self.group, async_op=async_op))
+            works.append(dist.all_gather_single(full, self.shards[p].detach(), group=self.group,
+                                                async_op=async_op))
         return works
 
     def _gather(self, i: int, then: int | None = None) -> None:
@@ -325,7 +331,9 @@ class Zero3:
             self.memory.sample("prefetch issued", self.unit_names[then])
 
     def _free(self, i: int) -> None:
-        """Unit ``i``'s full parameters go: their storage (and with it every view autograd saved) to 0 bytes."""
+        """Unit ``i``'s full parameters go: their storage, and with it every view autograd saved, to 0
+        bytes."""
+
         for p in self.units[i]:
             p.untyped_storage().resize_(0)
         self.memory.sample("freed", self.unit_names[i])

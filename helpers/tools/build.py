@@ -1,9 +1,10 @@
-"""Build a book with jupyter-book and end the log with what went wrong: ``python -m helpers.tools.build [DIR]``.
+"""Build a book with jupyter-book, its log ending with what failed: ``python -m helpers.tools.build [DIR]``.
 
-jupyter-book prints a failing cell's traceback in the middle of a long log and ends it with "Look above for the
-cause". This wrapper streams the log unchanged, and when the build fails it repeats, as the last lines, each
-notebook that failed and the errors raised in it (a ``CheckFailed`` with its numbers, a rank's exception, a
-timeout), and every Sphinx warning (``-W`` turns them into errors).
+
+jupyter-book prints a failing cell's traceback in the middle of a long log and ends it with "Look above for
+the cause". This wrapper streams the log unchanged, and when the build fails it repeats, as the last lines,
+each notebook that failed and the errors raised in it (a ``CheckFailed`` with its numbers, a rank's exception,
+a timeout), and every Sphinx warning (``-W`` turns them into errors).
 """
 
 from __future__ import annotations
@@ -30,9 +31,11 @@ ERROR_LINE = re.compile(r"^(?:\[\d+:\w+\]\s*)?[A-Za-z_.]*(?:Error|Failed|Excepti
 def summarize(log: str) -> list[str]:
     """The lines worth repeating at the end of a failed build's log, each error with its notebook and rank."""
     errors, warnings = [], []
-    # myst-nb logs "X: Executing notebook" as it starts each one, but a failed notebook's traceback only later,
-    # after "X: WARNING: Executing notebook failed" and before "X: WARNING: Notebook exception traceback saved".
-    # An error outside such a block (a dead kernel stops the build at once) belongs to the last one started.
+    # myst-nb logs "X: Executing notebook" as it starts each one, but a failed notebook's traceback only
+    # later, after "X: WARNING: Executing notebook failed" and before "X: WARNING: Notebook exception
+    # traceback saved". An error outside such a block (a dead kernel stops the build at once) belongs to the
+    # last one started.
+
     started, notebook, rank = "?", "?", None
     for line in (ANSI.sub("", raw).rstrip() for raw in log.splitlines()):
         if executing := EXECUTING.match(line):

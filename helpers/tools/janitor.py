@@ -1,9 +1,10 @@
 """Kill a notebook's engines and controller when the notebook's kernel dies.
 
-``python -m helpers.tools.janitor [--remove DIR] KERNEL_PID PID...`` polls twice a second. If the kernel is gone
-(killed, or restarted from JupyterLab, so its atexit handlers never ran) it kills the other PIDs and their
-children, removes ``DIR`` (the ranks' rendezvous folder, which the kernel would have removed) and exits; if the
-other PIDs are all gone first (the kernel stopped them), it just exits.
+``python -m helpers.tools.janitor [--remove DIR] KERNEL_PID PID...`` polls twice a second. If the kernel is
+gone (killed, or restarted from JupyterLab, so its atexit handlers never ran) it kills the other PIDs and
+their children, removes ``DIR`` (the ranks' rendezvous folder, which the kernel would have removed) and exits;
+if the other PIDs are all gone first (the kernel stopped them), it just exits.
+
 """
 
 import os

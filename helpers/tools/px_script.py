@@ -2,22 +2,23 @@
 
 The ``%%px`` cells of a chapter (and its ``%%px --local`` cells) are the program every rank runs; in the
 notebook, ipyparallel engines run them. :func:`export` writes the same cells, in order, into one script that
-joins the process group with :func:`helpers.dist.init_process_group` first, so ``torchrun`` can start the ranks
-instead. Two conventions make this possible, and every chapter keeps them:
+joins the process group with :func:`helpers.dist.init_process_group` first, so ``torchrun`` can start the
+ranks instead. Two conventions make this possible, and every chapter keeps them:
 
 - a ``%%px`` cell uses only what earlier ``%%px`` cells defined (never a value pushed from the kernel);
 - a cell tagged ``raises-exception`` (a failure shown on purpose) is left out.
 
-``python -m helpers.tools.px_script 00 --nproc 4`` exports chapter 00 and runs it with :func:`torchrun_args`, which
-keep every listener on 127.0.0.1 (torchrun's default rendezvous store listens on all interfaces).
+``python -m helpers.tools.px_script 00 --nproc 4`` exports chapter 00 and runs it with :func:`torchrun_args`,
+which keep every listener on 127.0.0.1 (torchrun's default rendezvous store listens on all interfaces).
 
 Several nodes, one launch per node, meet at a c10d rendezvous (:func:`multinode_torchrun_args`)::
 
-    python -m helpers.tools.px_script 00 --nproc 2 --nnodes 2 --node-rank 0 --rdzv-endpoint HOST:29400   # on HOST
-    python -m helpers.tools.px_script 00 --nproc 2 --nnodes 2 --node-rank 1 --rdzv-endpoint HOST:29400   # elsewhere
+    python -m helpers.tools.px_script 00 --nproc 2 --nnodes 2 --node-rank 0 --rdzv-endpoint HOST:29400
+    python -m helpers.tools.px_script 00 --nproc 2 --nnodes 2 --node-rank 1 --rdzv-endpoint HOST:29400
 
-When HOST is a loopback address, every "node" is this machine: the launch with ``--node-rank 0`` then hosts the
-rendezvous store itself, on HOST alone, and both torchrun agents only connect to it.
+the first on HOST, the second elsewhere. When HOST is a loopback address, every "node" is this machine: the
+launch with ``--node-rank 0`` then hosts the rendezvous store itself, on HOST alone, and both torchrun agents
+only connect to it.
 """
 
 from __future__ import annotations
@@ -109,8 +110,9 @@ def loopback_rendezvous_store(endpoint: str, timeout_s: float):
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((socket.gethostbyname(host), port))
     sock.listen(128)
-    store = dist.TCPStore(host, sock.getsockname()[1], None, True, timeout=datetime.timedelta(seconds=timeout_s),
-                          wait_for_workers=False, master_listen_fd=sock.detach())
+    store = dist.TCPStore(host, sock.getsockname()[1], None, True,
+                          timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False,
+                          master_listen_fd=sock.detach())
     try:
         yield store
     finally:
@@ -144,7 +146,9 @@ def px_cells(path: str) -> list[str]:
                              f"{cell.source}")
         body = "\n".join(lines[1:])
         if any(re.match(r"\s*(%%?[A-Za-z]|!)", line) for line in lines[1:]):
-            raise ValueError(f"{path}: a %%px cell with IPython magics cannot run as a script:\n{cell.source}")
+            raise ValueError(f"{path}: a %%px cell with IPython magics cannot run as a script:\n"
+                             f"{cell.source}")
+
         cells.append(body)
     if not cells:
         raise ValueError(f"{path} has no %%px cells")

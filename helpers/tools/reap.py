@@ -7,8 +7,10 @@ command ends, or the wrapper is interrupted, it ends all remaining descendants, 
 command's status.
 
 The command also gets a temporary folder of its own (``TMPDIR``), removed when it ends: what third-party code
-leaves in the temporary folder (torch's ``torchinductor_*`` cache, torchrun's ``torchelastic_*`` logs, pytest's
-``pytest-of-*``) goes with it. The book's own code removes its temporary files itself; the tests check that.
+leaves in the temporary folder (torch's ``torchinductor_*`` cache, torchrun's ``torchelastic_*`` logs,
+pytest's ``pytest-of-*``) goes with it. The book's own code removes its temporary files itself; the tests
+check that.
+
 """
 
 import ctypes

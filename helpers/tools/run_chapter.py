@@ -1,8 +1,8 @@
 """Execute one chapter and its checks, without building the book: ``python -m helpers.tools.run_chapter 00``.
 
 The cell timeout is the book's (``execute.timeout`` in ``_config.yml``). The executed notebook, outputs
-included, is written to ``_build/chapters/`` so it can be opened afterwards; the exit status is non-zero if any
-cell failed, and the failing cell's error ends the output.
+included, is written to ``_build/chapters/`` so it can be opened afterwards; the exit status is non-zero if
+any cell failed, and the failing cell's error ends the output.
 """
 
 from __future__ import annotations
@@ -42,8 +42,9 @@ def main(argv: list[str]) -> int:
     finally:
         jupytext.write(nb, out, fmt="ipynb")
     verdict = "failed" if status else "passed"
-    print(f"{os.path.relpath(path, ROOT)}: {verdict} in {time.monotonic() - started:.1f} s; executed notebook: "
-          f"{os.path.relpath(out, ROOT)}")
+    print(f"{os.path.relpath(path, ROOT)}: {verdict} in {time.monotonic() - started:.1f} s; "
+          f"executed notebook: {os.path.relpath(out, ROOT)}")
+
     return status
 
 

@@ -1,14 +1,15 @@
-"""A Sphinx extension for the book's HTML: each script once per page, and every chapter's notebook to download.
+"""A Sphinx extension for the book's HTML: each script once per page, every chapter's notebook to download.
 
 Under Jupyter Book, sphinx-thebe's ``env-before-read-docs`` handler runs twice and adds its inline
 configuration twice; two ``const THEBE_JS_URL`` declarations are a JavaScript SyntaxError on every page (the
-browser test in ``tests/test_browser.py`` fails on it). Dropping repeated script entries, identical in source and
-attributes (an inline script with no file name is one whether the name is None or ""), keeps the first of each
-and changes nothing else.
+browser test in ``tests/browser/`` fails on it). Dropping repeated script entries, identical in source and
+attributes (an inline script with no file name is one whether the name is None or ""), keeps the first of
+each and changes nothing else.
 
 sphinx-book-theme offers a page's executed ``.ipynb`` for download (beside its ``.md``) only when a launch
 service (Binder, Colab, Thebe, ...) is configured; the book configures none, since it runs with no network.
-:func:`_offer_the_notebook` copies the executed notebook into ``_sources`` and tells the theme, as it would have.
+:func:`_offer_the_notebook` copies the executed notebook into ``_sources`` and tells the theme, as it would
+have.
 """
 
 from __future__ import annotations
@@ -19,7 +20,9 @@ from pathlib import Path
 
 def _script_key(script) -> tuple:
     attributes = getattr(script, "attributes", {}) or {}
-    return str(getattr(script, "filename", script) or ""), tuple(sorted((k, str(v)) for k, v in attributes.items()))
+    return (str(getattr(script, "filename", script) or ""),
+            tuple(sorted((k, str(v)) for k, v in attributes.items())))
+
 
 
 def _each_script_once(app, pagename, templatename, context, doctree) -> None:
