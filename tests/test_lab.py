@@ -18,6 +18,7 @@ import yaml
 from nbclient import NotebookClient
 
 from helpers import ROOT
+
 CHAPTER = "01_memory_and_time"
 JUPYTEXT = os.path.join(os.path.dirname(sys.executable), "jupytext")
 
@@ -51,7 +52,7 @@ def checks_shown(nb) -> list[str]:
     for cell in nb.cells:
         for out in cell.get("outputs", []) if cell.cell_type == "code" else []:
             if out.output_type == "stream":
-                lines += [l for l in out.get("text", "").splitlines() if l.startswith("ok  ")]
+                lines += [line for line in out.get("text", "").splitlines() if line.startswith("ok  ")]
             markdown = "".join(out.get("data", {}).get("text/markdown", ""))
             if "| check | where |" in markdown:  # checks.report's table
                 rows += table_rows(markdown)
@@ -77,12 +78,12 @@ def test_the_ipynb_pair_runs_to_the_same_checks_as_the_md():
     assert errors(from_ipynb) == [], errors(from_ipynb)
     assert errors(from_md) == [], errors(from_md)
     shown = checks_shown(from_md)
-    rows = [l for l in shown if l.startswith("| ")]
-    assert rows and all(l.rstrip().endswith("| yes |") for l in rows), f"the .md's table of checks: {rows}"
+    rows = [line for line in shown if line.startswith("| ")]
+    assert rows and all(row.rstrip().endswith("| yes |") for row in rows), f"the .md's checks: {rows}"
     assert len(shown) > len(rows) > 0, "the .md printed no `ok` line"
     got = checks_shown(from_ipynb)
-    assert got == shown, (f"the .ipynb pair shows other checks than the .md: missing "
-                          f"{[l for l in shown if l not in got][:5]}, extra {[l for l in got if l not in shown][:5]}")
+    missing, extra = [x for x in shown if x not in got][:5], [x for x in got if x not in shown][:5]
+    assert got == shown, f"the .ipynb pair shows other checks than the .md: missing {missing}, extra {extra}"
     assert sorted(os.listdir(notebooks)) == before, "the test left files in notebooks/"
 
 
@@ -114,13 +115,14 @@ def test_the_html_offers_the_ipynb_and_the_md_for_download():
             f.write("format: jb-book\nroot: notebooks/page\n")
         with open(os.path.join(book, "notebooks", "page.md"), "w") as f:
             f.write(PAGE)
-        done = subprocess.run([sys.executable, "-m", "helpers.tools.build", book], cwd=ROOT, capture_output=True,
-                              text=True, timeout=600)
+        done = subprocess.run([sys.executable, "-m", "helpers.tools.build", book], cwd=ROOT,
+                              capture_output=True, text=True, timeout=600)
         assert done.returncode == 0, done.stdout[-4000:]
         html_dir = os.path.join(book, "_build", "html")
         html = open(os.path.join(html_dir, "notebooks", "page.html")).read()
         # sphinx-book-theme's buttons: <a href="..." class="btn btn-sm btn-download-notebook-button ...">
-        buttons = dict(re.findall(r'<a href="([^"]+)"[^>]*class="[^"]*btn-download-(notebook|source)-button', html))
+        button = r'<a href="([^"]+)"[^>]*class="[^"]*btn-download-(notebook|source)-button'
+        buttons = dict(re.findall(button, html))
         by_suffix = {os.path.splitext(href)[1]: href for href in buttons}
         assert {".md", ".ipynb"} <= set(by_suffix), f"download buttons on the page: {buttons}"
         for href in by_suffix.values():

@@ -1,9 +1,9 @@
 """Beyond one machine: chapter 00 as two "nodes" of two ranks each, two torchrun launches meeting at a c10d
 rendezvous on 127.0.0.1, as two machines of a cluster would (README, "Running on a real cluster").
 
-Both launches run as `make torchrun` runs one: under the reaper, through helpers.tools.px_script. While they run, the
-test lists every socket their processes listen on; each must be on 127.0.0.1, and the rendezvous store must be
-among them, on the endpoint.
+Both launches run as `make torchrun` runs one: under the reaper, through helpers.tools.px_script. While
+they run, the test lists every socket their processes listen on; each must be on 127.0.0.1, and the rendezvous
+store must be among them, on the endpoint.
 """
 
 import os
@@ -20,9 +20,12 @@ import psutil
 from test_ranks import book_processes, wait_until_gone
 
 from helpers import ROOT
+
 CHAPTER = "00"
 NNODES, NPROC = 2, 2
 TIMEOUT_S = 240
+PX_SCRIPT = [sys.executable, "-m", "helpers.tools.reap", "--",  # as `make torchrun` runs it
+             sys.executable, "-m", "helpers.tools.px_script"]
 
 
 def free_loopback_port() -> int:
@@ -32,7 +35,7 @@ def free_loopback_port() -> int:
 
 
 def launch(args: list[str], tmpdir: str) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "helpers.tools.reap", "--", sys.executable, "-m", "helpers.tools.px_script", CHAPTER, *args]
+    cmd = [*PX_SCRIPT, CHAPTER, *args]
     return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=dict(os.environ, TMPDIR=tmpdir), start_new_session=True)
 
@@ -80,7 +83,8 @@ def run_nodes(args_of_node: list[list[str]], tmpdir: str):
 
 
 def rank_summaries(stdout: str) -> dict[int, str]:
-    return {int(m.group(1)): m.group(0) for m in re.finditer(r"^rank (\d+): \d+ checks passed$", stdout, re.M)}
+    found = re.finditer(r"^rank (\d+): \d+ checks passed$", stdout, re.M)
+    return {int(m.group(1)): m.group(0) for m in found}
 
 
 def test_a_chapter_runs_as_two_nodes_on_loopback(tmp_path):
@@ -107,9 +111,8 @@ def test_a_chapter_runs_as_two_nodes_on_loopback(tmp_path):
         assert "ok  all_reduce of integer values" in out, out[-2000:]
 
     # The same checks, passed by the same ranks, as one node of `world` ranks (`make torchrun NPROC=4`).
-    one = subprocess.run([sys.executable, "-m", "helpers.tools.reap", "--", sys.executable, "-m", "helpers.tools.px_script",
-                          CHAPTER, "--nproc", str(world)], cwd=ROOT, capture_output=True, text=True,
-                         timeout=TIMEOUT_S, env=dict(os.environ, TMPDIR=str(tmpdir)))
+    one = subprocess.run([*PX_SCRIPT, CHAPTER, "--nproc", str(world)], cwd=ROOT, capture_output=True,
+                         text=True, timeout=TIMEOUT_S, env=dict(os.environ, TMPDIR=str(tmpdir)))
     assert one.returncode == 0, one.stderr[-3000:]
     merged = {r: line for s in per_node for r, line in s.items()}
     assert merged == rank_summaries(one.stdout)

@@ -52,12 +52,14 @@ def problems(wf: dict) -> list[str]:
     deploys = [name for name, job in jobs.items()
                if any(uses(s, "actions/deploy-pages") for s in job.get("steps", []))]
     if len(builds) != 1 or len(deploys) != 1:
-        return out + [f"expected one job uploading the Pages artifact and one deploying it: {builds}, {deploys}"]
+        return out + [f"expected one job uploading the Pages artifact and one deploying it: {builds}, "
+                      f"{deploys}"]
     build, deploy = jobs[builds[0]], jobs[deploys[0]]
     steps = build["steps"]
     if not any(uses(s, "actions/checkout") for s in steps):
         out.append("the build job does not check out the repository")
-    pythons = [str((s.get("with") or {}).get("python-version")) for s in steps if uses(s, "actions/setup-python")]
+    pythons = [str((s.get("with") or {}).get("python-version"))
+               for s in steps if uses(s, "actions/setup-python")]
     if pythons != ["3.11"]:
         out.append(f"the build job sets up Python {pythons}, not 3.11 (README)")
     commands = [(i, t) for i, s in enumerate(steps) for t in make_targets(str(s.get("run", "")))]
@@ -112,7 +114,8 @@ BROKEN = {
     "calls make test": (lambda wf: _set_run(wf, "make test"), "not `make build` alone"),
     "calls make chapter": (lambda wf: _set_run(wf, "make chapter CH=00"), "not `make build` alone"),
     "builds twice": (lambda wf: _set_run(wf, "make build\nmake build"), "not `make build` alone"),
-    "calls jupyter-book directly": (lambda wf: _set_run(wf, "jupyter-book build ."), "not `make build` alone"),
+    "calls jupyter-book directly": (lambda wf: _set_run(wf, "jupyter-book build ."),
+                                    "not `make build` alone"),
     "uploads _build": (lambda wf: _set_path(wf, "_build"), "the artifact is '_build'"),
     "uploads the chapters": (lambda wf: _set_path(wf, "_build/chapters"), "not '_build/html'"),
     "deploys without waiting": (lambda wf: wf["jobs"]["deploy"].pop("needs"), "does not wait for 'build'"),

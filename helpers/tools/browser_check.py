@@ -1,9 +1,9 @@
 """Open every page of the built book in a real browser, offline, as a reader would; report what is broken.
 
-``python -m helpers.tools.browser_check _build/html [--screenshots DIR] [--page REL ...]`` drives headless Chromium
-(Debian's ``chromium``, through Playwright) over every page at 1280 px (a laptop) and 390 px (a phone). Every
-request that would leave the machine is blocked and reported, as for a reader who ran ``make build`` with no
-network. A page fails on:
+``python -m helpers.tools.browser_check _build/html [--screenshots DIR] [--page REL ...]`` drives headless
+Chromium (Debian's ``chromium``, through Playwright) over every page at 1280 px (a laptop) and 390 px (a
+phone). Every request that would leave the machine is blocked and reported, as for a reader who ran ``make
+build`` with no network. A page fails on:
 
 - a console error or an uncaught JavaScript exception;
 - a request for anything but a local file (a CDN, a font server, analytics);
@@ -82,7 +82,8 @@ def pages_of(root: str) -> list[str]:
         dirs[:] = sorted(d for d in dirs if d not in SKIP_DIRS)
         for name in sorted(files):
             rel = os.path.relpath(os.path.join(folder, name), root)
-            if name.endswith(".html") and rel not in SKIP_PAGES and not redirect_target(os.path.join(root, rel)):
+            redirect = redirect_target(os.path.join(root, rel))
+            if name.endswith(".html") and rel not in SKIP_PAGES and not redirect:
                 found.append(rel)
     return found
 
