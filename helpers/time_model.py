@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from helpers.parallel.ledger import cost_terms
+from helpers.parallel.collective_costs import cost_terms
 from helpers.parallel.pipeline_schedules import stage_layers
 
 if TYPE_CHECKING:

@@ -1,4 +1,4 @@
-"""The from-scratch collectives, the byte ledger and the α–β model.
+"""The from-scratch collectives, the byte ledger and the α–β model (chapter 02).
 
 Formulas and the fit are checked in this process. The collectives run once, on 4 processes started with
 ``torch.multiprocessing`` (each joins a gloo group through ``helpers.dist.init_process_group``); each rank
@@ -14,8 +14,10 @@ import socket
 import pytest
 import torch
 
-from helpers.parallel import ledger
-from helpers.parallel.ledger import AlphaBeta, bus_bandwidth, chunk_sizes, cost_terms, expected_bytes, fit
+from helpers.parallel import collective_costs
+from helpers.parallel.collective_costs import (AlphaBeta, bus_bandwidth, chunk_sizes, cost_terms,
+                                               expected_bytes, fit)
+from helpers.parallel.ledger import LEDGER
 
 WORLD_SIZE = 4
 SIZES = (3, 10, 17)  # fewer elements than ranks, uneven, prime
@@ -46,8 +48,8 @@ def test_ring_fractions_with_even_chunks(world_size):
             assert expected_bytes(name, n, world_size, rank, element_size=1) == (one_chunk_short,) * 2
 
 
-@pytest.mark.parametrize("name", ["ring_reduce_scatter", "ring_all_gather", "ring_all_reduce", "tree_broadcast",
-                                  "tree_reduce", "pairwise_all_to_all"])
+@pytest.mark.parametrize("name", ["ring_reduce_scatter", "ring_all_gather", "ring_all_reduce",
+                                  "tree_broadcast", "tree_reduce", "pairwise_all_to_all"])
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4, 5, 8])
 @pytest.mark.parametrize("numel", [3, 10, 17])
 def test_every_byte_sent_is_received(name, world_size, numel):
@@ -59,8 +61,8 @@ def test_every_byte_sent_is_received(name, world_size, numel):
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4, 5, 6, 8, 13])
 def test_binomial_tree_spans_the_ranks(world_size):
     # every rank but the root has exactly one parent, so the children add up to N - 1
-    assert sum(ledger.tree_children(v, world_size) for v in range(world_size)) == world_size - 1
-    assert ledger.tree_children(0, world_size) == (world_size - 1).bit_length()
+    assert sum(collective_costs.tree_children(v, world_size) for v in range(world_size)) == world_size - 1
+    assert collective_costs.tree_children(0, world_size) == (world_size - 1).bit_length()
 
 
 def test_torch_names_map_to_the_ring_and_tree_formulas():
@@ -72,7 +74,8 @@ def test_torch_names_map_to_the_ring_and_tree_formulas():
 
 
 def test_bus_bandwidth_factors_of_nccl_tests():
-    # busbw = algbw * factor: 2(N-1)/N for all-reduce, (N-1)/N for the gather/scatter family, 1 for rooted ones
+    # busbw = algbw * factor: 2(N-1)/N for all-reduce, (N-1)/N for the gather/scatter family, 1 for rooted
+    # ones
     assert bus_bandwidth("all_reduce", 8e9, 1.0, 8) == pytest.approx(8e9 * 2 * 7 / 8)
     for name in ("reduce_scatter", "all_gather", "all_to_all"):
         assert bus_bandwidth(name, 8e9, 2.0, 8) == pytest.approx(4e9 * 7 / 8)
@@ -140,8 +143,8 @@ def _ring_all_gather_wrong_neighbour(chunks, group):
 
     rank, size = dist.get_rank(group), dist.get_world_size(group)
     for step in range(size - 1):
-        ledger.LEDGER.exchange(chunks[(rank - step) % size], (rank + 1) % size, chunks[(rank - step - 1) % size],
-                               (rank + 1) % size, group=group)
+        LEDGER.exchange(chunks[(rank - step) % size], (rank + 1) % size,
+                        chunks[(rank - step - 1) % size], (rank + 1) % size, group=group)
 
 
 def _ring_all_reduce_missing_chunk(tensor):
@@ -154,13 +157,14 @@ def _ring_all_reduce_missing_chunk(tensor):
     chunks = list(tensor.clone().tensor_split(size))
     collectives.ring_reduce_scatter_(chunks)
     for step in range(size - 2):
-        ledger.LEDGER.exchange(chunks[(rank - step) % size], (rank + 1) % size, chunks[(rank - step - 1) % size],
-                               (rank - 1) % size)
+        LEDGER.exchange(chunks[(rank - step) % size], (rank + 1) % size,
+                        chunks[(rank - step - 1) % size], (rank - 1) % size)
     return torch.cat(chunks)
 
 
 def _worker(rank, world_size, port, out_dir):
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
     torch.set_num_threads(1)
     import torch.distributed as dist
 
@@ -181,10 +185,12 @@ def _worker(rank, world_size, port, out_dir):
             "ring_reduce_scatter": collectives.ring_reduce_scatter(x),
             "ring_all_gather": collectives.ring_all_gather(x.tensor_split(world_size)[rank].clone(), n),
             "ring_all_reduce": collectives.ring_all_reduce(x),
-            "tree_broadcast": (collectives.tree_broadcast(broadcast, src=ROOTS["tree_broadcast"]), broadcast)[1],
+            "tree_broadcast": (collectives.tree_broadcast(broadcast, src=ROOTS["tree_broadcast"]),
+                               broadcast)[1],
             "tree_reduce": collectives.tree_reduce(x, dst=ROOTS["tree_reduce"]),
-            "pairwise_all_to_all": (collectives.pairwise_all_to_all(received, list(x.tensor_split(world_size))),
-                                    torch.cat(received))[1],
+            "pairwise_all_to_all": (
+                collectives.pairwise_all_to_all(received, list(x.tensor_split(world_size))),
+                torch.cat(received))[1],
             "recursive_doubling_all_reduce": collectives.recursive_doubling_all_reduce(x),
         }
         want = {

@@ -1,4 +1,4 @@
-"""Collectives from point-to-point messages: every byte moves through ``LEDGER.exchange`` (send + receive).
+"""Collectives from point-to-point messages (chapter 02): every byte moves through ``LEDGER.exchange``.
 
 Chapter 02 builds each collective of ``torch.distributed`` from sends and receives, with the algorithms MPI
 and NCCL use (Thakur, Rabenseifner and Gropp 2005; Patarasuk and Yuan 2009):
@@ -11,8 +11,8 @@ and NCCL use (Thakur, Rabenseifner and Gropp 2005; Patarasuk and Yuan 2009):
   latency-bound contrast to the ring.
 
 Buffers are flat: a tensor is reduced or gathered as ``tensor.reshape(-1)``, split into chunks as
-``torch.tensor_split`` splits (:func:`helpers.parallel.ledger.chunk_sizes`), so sizes that do not divide by the
-world size work. Ranks are numbered within ``group`` (the whole world by default).
+``torch.tensor_split`` splits (:func:`helpers.parallel.collective_costs.chunk_sizes`), so sizes that do not
+divide by the world size work. Ranks are numbered within ``group`` (the whole world by default).
 """
 
 from __future__ import annotations
