@@ -11,8 +11,8 @@ import ipyparallel as ipp
 import pytest
 import torch
 
-from helpers.parallel import moe
-from helpers.parallel.ledger import all_to_all_bytes
+from helpers.parallel import expert_parallel, moe
+from helpers.parallel.collective_costs import all_to_all_bytes
 
 CFG = moe.MoEConfig(vocab_size=16, seq_len=8, n_layers=2, d_model=32, n_heads=4, n_kv_heads=2, d_ff=32,
                     n_experts=4, top_k=2, capacity_factor=1.0)
@@ -30,10 +30,10 @@ def test_a_bad_config_names_the_broken_constraint(changes, message):
 
 def test_a_bad_layout_names_the_broken_constraint():
     with pytest.raises(ValueError, match="ep=3 must divide n_experts=4"):
-        moe.check_layout(CFG, 3)
+        expert_parallel.check_layout(CFG, 3)
     with pytest.raises(ValueError, match="ep=3 must divide n_experts=4"):
-        moe.from_reference(moe.MoEGPT(CFG), 0, 3)
-    moe.check_layout(CFG, 2)
+        expert_parallel.from_reference(moe.MoEGPT(CFG), 0, 3)
+    expert_parallel.check_layout(CFG, 2)
 
 
 def test_the_load_balancing_loss_is_one_at_perfect_balance_and_E_at_collapse():
@@ -74,8 +74,8 @@ def test_the_grouped_matmul_matches_the_loop_and_refuses_float64():
     for p in experts.parameters():
         torch.nn.init.normal_(p)
     rows, counts = torch.randn(10, 8), [3, 0, 5, 2]
-    torch.testing.assert_close(moe.experts_grouped(rows, counts, experts), moe.experts_loop(rows, counts, experts),
-                               rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(moe.experts_grouped(rows, counts, experts),
+                               moe.experts_loop(rows, counts, experts), rtol=1e-6, atol=1e-6)
     with pytest.raises(ValueError, match="not torch.float64"):
         moe.experts_grouped(rows.double(), counts, experts.double())
 
@@ -87,25 +87,26 @@ def test_uneven_all_to_all_bytes_leave_out_the_own_split():
 
 
 def test_dispatch_arrivals_follow_source_rank_then_expert_then_token():
-    # two groups (ranks) of two tokens, top-1; expert 0 lives on rank 0, expert 1 on rank 1
+    # two segments (ranks) of two tokens, top-1; expert 0 lives on rank 0, expert 1 on rank 1
     expert = torch.tensor([[[1], [0]], [[0], [1]]])
     kept = torch.ones_like(expert, dtype=torch.bool)
-    assert moe.dispatch_arrivals(expert, kept, 2, 0).tolist() == [1, 2]
-    assert moe.dispatch_arrivals(expert, kept, 2, 1).tolist() == [0, 3]
-    kept[1, 1, 0] = False  # group 1's token 1 was dropped: it never travels
-    assert moe.dispatch_arrivals(expert, kept, 2, 1).tolist() == [0]
+    assert expert_parallel.dispatch_arrivals(expert, kept, 2, 0).tolist() == [1, 2]
+    assert expert_parallel.dispatch_arrivals(expert, kept, 2, 1).tolist() == [0, 3]
+    kept[1, 1, 0] = False  # segment 1's token 1 was dropped: it never travels
+    assert expert_parallel.dispatch_arrivals(expert, kept, 2, 1).tolist() == [0]
 
 
 def test_identify_rows_names_each_copied_row_and_refuses_ambiguity():
     tokens = torch.tensor([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]])
-    assert moe.identify_rows(tokens[[2, 0, 2]], tokens).tolist() == [2, 0, 2]
-    assert moe.identify_rows(torch.tensor([[3.0, 4.5]]), tokens).tolist() == [-1]  # a copy of no token
-    assert moe.identify_rows(tokens[:1], torch.cat([tokens, tokens[:1]])).tolist() == [-1]  # of two
+    assert expert_parallel.identify_rows(tokens[[2, 0, 2]], tokens).tolist() == [2, 0, 2]
+    assert expert_parallel.identify_rows(torch.tensor([[3.0, 4.5]]), tokens).tolist() == [-1]  # of no token
+    twice = torch.cat([tokens, tokens[:1]])
+    assert expert_parallel.identify_rows(tokens[:1], twice).tolist() == [-1]  # a copy of two
 
 
-def test_groups_must_divide_the_tokens():
-    layer = moe.MoELayer(CFG, groups=3)
-    with pytest.raises(ValueError, match="groups=3 must divide the 16 tokens"):
+def test_segments_must_divide_the_tokens():
+    layer = moe.MoELayer(CFG, segments=3)
+    with pytest.raises(ValueError, match="segments=3 must divide the 16 tokens of the batch"):
         layer(torch.zeros(2, 8, CFG.d_model))
 
 
@@ -113,14 +114,14 @@ def test_groups_must_divide_the_tokens():
 def _expert_parallel_step(cfg, x, y):
     from torch import distributed
 
-    from helpers.parallel import moe
+    from helpers.parallel import expert_parallel, moe
 
     ep, rank = distributed.get_world_size(), distributed.get_rank()
-    model = moe.from_reference(moe.MoEGPT(cfg, seed=0, groups=ep), rank, ep)
+    model = expert_parallel.from_reference(moe.MoEGPT(cfg, seed=0, segments=ep), rank, ep)
     part = slice(rank * len(x) // ep, (rank + 1) * len(x) // ep)
     logits, loss = model(x[part], y[part])
     loss.backward()
-    moe.finish_gradients(model)
+    expert_parallel.finish_gradients(model)
     dropped = [layer.stats["dropped"] for layer in model.moe_layers()]
     return logits.detach(), loss.item(), dropped, {n: p.grad for n, p in model.named_parameters()}
 
@@ -130,10 +131,10 @@ def _dispatch_one_layer(cfg, h):
     import torch
     from torch import distributed
 
-    from helpers.parallel import moe
+    from helpers.parallel import expert_parallel, moe
 
     ep, rank = distributed.get_world_size(), distributed.get_rank()
-    layer = moe.ExpertParallelMoE.from_layer(moe.MoEGPT(cfg, seed=0).blocks[0].mlp, rank, ep)
+    layer = expert_parallel.ExpertParallelMoE.from_layer(moe.MoEGPT(cfg, seed=0).blocks[0].mlp, rank, ep)
     with torch.no_grad():
         layer(h[rank * len(h) // ep:(rank + 1) * len(h) // ep])
     return layer.stats
@@ -141,7 +142,7 @@ def _dispatch_one_layer(cfg, h):
 
 def test_dispatch_delivers_the_rows_the_single_process_routes_to_each_rank(ranks):
     h = torch.randn(4, CFG.seq_len, CFG.d_model, generator=torch.Generator().manual_seed(1))
-    reference = moe.MoEGPT(CFG, seed=0, groups=2).blocks[0].mlp
+    reference = moe.MoEGPT(CFG, seed=0, segments=2).blocks[0].mlp
     with torch.no_grad():
         reference(h)
     kept, n = reference.stats["kept"], CFG.n_experts // 2
@@ -149,8 +150,9 @@ def test_dispatch_delivers_the_rows_the_single_process_routes_to_each_rank(ranks
     for r, stats in enumerate(ranks.apply(_dispatch_one_layer, CFG, h)):
         assert stats["send"].tolist() == kept[r].view(2, n).sum(-1).tolist()
         assert stats["from_ranks"].tolist() == kept[:, r * n:(r + 1) * n].tolist()
-        arrived = moe.identify_rows(stats["arrived"], h.reshape(-1, CFG.d_model))
-        want = moe.dispatch_arrivals(reference.stats["expert"], reference.stats["kept_mask"], CFG.n_experts, r)
+        arrived = expert_parallel.identify_rows(stats["arrived"], h.reshape(-1, CFG.d_model))
+        want = expert_parallel.dispatch_arrivals(reference.stats["expert"], reference.stats["kept_mask"],
+                                                 CFG.n_experts, r)
         assert arrived.tolist() == want.tolist()
         crossed += int((arrived // (2 * CFG.seq_len) != r).sum())
     assert crossed > 0  # rows really travelled between the ranks
@@ -160,7 +162,7 @@ def test_two_ranks_match_the_single_process(ranks):
     gen = torch.Generator().manual_seed(0)
     x = torch.randint(0, CFG.vocab_size, (4, CFG.seq_len), generator=gen)
     y = torch.randint(0, CFG.vocab_size, (4, CFG.seq_len), generator=gen)
-    reference = moe.MoEGPT(CFG, seed=0, groups=2)
+    reference = moe.MoEGPT(CFG, seed=0, segments=2)
     logits, loss = reference(x, y)
     loss.backward()
     results = ranks.apply(_expert_parallel_step, CFG, x, y)
@@ -169,7 +171,7 @@ def test_two_ranks_match_the_single_process(ranks):
     for i, layer in enumerate(reference.moe_layers()):
         assert torch.cat([r[2][i] for r in results]).tolist() == layer.stats["dropped"].tolist()
     assert sum(layer.stats["dropped"].sum().item() for layer in reference.moe_layers()) > 0  # capacity bites
-    grads = moe.unshard_experts([r[3] for r in results])
+    grads = expert_parallel.unshard_experts([r[3] for r in results])
     for name, p in reference.named_parameters():
         scale = p.grad.abs().max().item()
         assert (grads[name] - p.grad).abs().max().item() <= 1e-6 * scale, name

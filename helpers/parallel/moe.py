@@ -1,4 +1,4 @@
-"""Mixture of experts and expert parallelism from scratch (chapter 08).
+"""The mixture-of-experts layer (chapter 08).
 
 A MoE layer replaces a transformer block's MLP with ``n_experts`` MLPs and a router that sends each token to
 ``top_k`` of them (Shazeer et al. 2017; GShard, Lepikhin et al. 2021; Switch, Fedus et al. 2022):
@@ -6,19 +6,17 @@ A MoE layer replaces a transformer block's MLP with ``n_experts`` MLPs and a rou
 - :func:`route`: a softmax router, top-k choice, gates renormalised over the chosen experts (as Mixtral), and
   a capacity per expert beyond which token assignments are dropped (:func:`within_capacity`);
 - the auxiliary losses: :func:`load_balancing_loss` (Switch's ``E·Σ f_i·P_i``, 1 at perfect balance) and
-  :func:`router_z_loss` (ST-MoE); and DeepSeek-V3's auxiliary-loss-free balancing, a per-expert bias used only
-  to choose experts, nudged after each step by :func:`update_expert_bias`;
-- the experts: one weight tensor per projection with a leading expert dimension, computed on tokens sorted by
-  expert, either by a loop over experts (:func:`experts_loop`) or one grouped matmul (:func:`experts_grouped`).
+  :func:`router_z_loss` (ST-MoE); and DeepSeek-V3's auxiliary-loss-free balancing, a per-expert bias used
+  only to choose experts, nudged after each step by :func:`update_expert_bias`;
+- the experts: one weight tensor per projection with a leading expert dimension, computed on tokens sorted
+  by expert, either by a loop over experts (:func:`experts_loop`) or one grouped matmul
+  (:func:`experts_grouped`).
 
-Expert parallelism splits the experts over ``ep`` ranks that hold different tokens: each rank routes its own
-tokens, sends every token to the rank of its expert by an all-to-all with uneven splits (the split sizes are
-exchanged first), computes its experts, and sends the results back by the reverse all-to-all
-(:class:`ExpertParallelMoE`); :class:`_AllToAll` is the autograd Function whose backward is the reverse
-all-to-all. Capacity is GShard's: per expert and per *group*, a group being one rank's tokens, so the
-single-process :class:`MoELayer` reproduces it with ``groups=ep``. :class:`MoEGPT` is the book's GPT with MoE
-layers; :func:`from_reference` builds one rank's expert-parallel copy of it, and :func:`finish_gradients`
-averages the non-expert gradients over the ranks, as DDP does.
+Capacity is GShard's: per expert and per *segment*, a slice of the batch routed on its own (GShard's "group").
+:class:`MoELayer` routes the batch in ``segments`` equal, consecutive slices, so with ``segments=ep`` one
+process drops exactly the tokens that ``ep`` ranks of expert parallelism drop, each routing its own tokens
+(:mod:`helpers.parallel.expert_parallel`, the dispatch and combine). :class:`MoEGPT` is the book's GPT with
+MoE layers.
 """
 
 from __future__ import annotations
@@ -27,13 +25,9 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from helpers import layout_rules
-from helpers.parallel.data_parallel import bucketed_average
-from helpers.parallel.ledger import LEDGER
 from helpers.model import GPT, GPTConfig, init_weights
 
 
@@ -52,12 +46,8 @@ class MoEConfig(GPTConfig):
         if not 1 <= self.top_k <= self.n_experts:
             raise ValueError(f"top_k={self.top_k} must be in 1..n_experts={self.n_experts}")
         if self.capacity_factor is not None and self.capacity_factor <= 0:
-            raise ValueError(f"capacity_factor must be positive (or None for no limit), got {self.capacity_factor}")
-
-
-def check_layout(cfg: MoEConfig, ep: int) -> None:
-    """Raise a ValueError naming the broken constraint if ``cfg``'s experts cannot be split over ``ep`` ranks."""
-    layout_rules.expert_parallel(ep, cfg.n_experts)
+            raise ValueError(f"capacity_factor must be positive (or None for no limit), "
+                             f"got {self.capacity_factor}")
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -67,7 +57,7 @@ def check_layout(cfg: MoEConfig, ep: int) -> None:
 
 @dataclass
 class Routing:
-    """Where each of a group's tokens goes: ``(tokens, top_k)`` experts, gates and kept flags."""
+    """Where each of a segment's tokens goes: ``(tokens, top_k)`` experts, gates and kept flags."""
 
     logits: torch.Tensor  # (tokens, n_experts)
     probs: torch.Tensor  # softmax of the logits
@@ -77,7 +67,7 @@ class Routing:
 
 
 def expert_capacity(tokens: int, cfg: MoEConfig) -> int | None:
-    """GShard's capacity of one expert for a group of ``tokens``: ``ceil(factor · tokens · k / E)``."""
+    """GShard's capacity of one expert for a segment of ``tokens``: ``ceil(factor · tokens · k / E)``."""
     if cfg.capacity_factor is None:
         return None
     return math.ceil(cfg.capacity_factor * tokens * cfg.top_k / cfg.n_experts)
@@ -94,8 +84,10 @@ def within_capacity(expert: torch.Tensor, n_experts: int, capacity: int | None) 
     return (place < capacity).view(k, tokens).t()
 
 
-def route(logits: torch.Tensor, top_k: int, capacity: int | None = None, bias: torch.Tensor | None = None) -> Routing:
-    """Top-k softmax routing. ``bias`` (DeepSeek-V3) shifts the scores that choose the experts, never the gates."""
+def route(logits: torch.Tensor, top_k: int, capacity: int | None = None,
+          bias: torch.Tensor | None = None) -> Routing:
+    """Top-k softmax routing. ``bias`` (DeepSeek-V3) shifts the scores that choose the experts, never the
+    gates."""
     probs = logits.to(torch.promote_types(logits.dtype, torch.float32)).softmax(dim=-1)
     choice = probs if bias is None else probs + bias
     expert = choice.topk(top_k, dim=-1).indices
@@ -107,8 +99,8 @@ def route(logits: torch.Tensor, top_k: int, capacity: int | None = None, bias: t
 def load_balancing_loss(probs: torch.Tensor, expert: torch.Tensor) -> torch.Tensor:
     """Switch Transformer's auxiliary loss (Fedus et al. 2022, eq. 4), for top-k: ``E · Σ_i f_i · P_i``.
 
-    ``f_i`` is the fraction of the group's assignments that chose expert ``i`` (not differentiable), ``P_i`` the
-    mean router probability of ``i``. With both uniform, ``1/E`` each, the loss is exactly 1.
+    ``f_i`` is the fraction of the segment's assignments that chose expert ``i`` (not differentiable), ``P_i``
+    the mean router probability of ``i``. With both uniform, ``1/E`` each, the loss is exactly 1.
     """
     n_experts = probs.shape[-1]
     f = torch.bincount(expert.reshape(-1), minlength=n_experts).to(probs.dtype) / expert.numel()
@@ -117,7 +109,8 @@ def load_balancing_loss(probs: torch.Tensor, expert: torch.Tensor) -> torch.Tens
 
 def router_z_loss(logits: torch.Tensor) -> torch.Tensor:
     """ST-MoE's router z-loss (Zoph et al. 2022, eq. 5): the mean squared log-sum-exp of the router logits."""
-    return torch.logsumexp(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1).square().mean()
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    return torch.logsumexp(logits, dim=-1).square().mean()
 
 
 def sort_by_expert(routing: Routing) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -135,12 +128,12 @@ def sort_by_expert(routing: Routing) -> tuple[torch.Tensor, torch.Tensor, torch.
 
 
 class GroupedLinear(nn.Module):
-    """``n`` linear layers without bias in one ``(n, out, in)`` weight, each stored as ``nn.Linear`` stores it."""
+    """``n`` linear layers without bias in one ``(n, out, in)`` weight, each stored as ``nn.Linear`` stores
+    it."""
 
     def __init__(self, n: int, in_features: int, out_features: int):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(n, out_features, in_features))
-        self.weight.expert_parallel = True  # its gradient is not all-reduced over the ranks (finish_gradients)
 
 
 class Experts(nn.Module):
@@ -160,8 +153,8 @@ def experts_loop(rows: torch.Tensor, counts: list[int], experts: Experts) -> tor
 
 
 def experts_grouped(rows: torch.Tensor, counts: list[int], experts: Experts) -> torch.Tensor:
-    """The same in two grouped matmuls: ``torch._grouped_mm`` multiplies each slice of rows ending at ``offs[e]``
-    by expert ``e``'s matrix. On CPU it takes float32, bfloat16 and float16, not float64."""
+    """The same in two grouped matmuls: ``torch._grouped_mm`` multiplies each slice of rows ending at
+    ``offs[e]`` by expert ``e``'s matrix. On CPU it takes float32, bfloat16 and float16, not float64."""
     if rows.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"torch._grouped_mm takes float32, bfloat16 or float16 rows, not {rows.dtype}: "
                          f"use the loop over experts (grouped=False)")
@@ -178,14 +171,15 @@ def experts_grouped(rows: torch.Tensor, counts: list[int], experts: Experts) -> 
 class MoELayer(nn.Module):
     """A MoE feed-forward layer over all ``n_experts`` experts, in one process.
 
-    The tokens are routed in ``groups`` equal, consecutive groups (GShard's groups: with expert parallelism,
-    one per rank), each with its own expert capacity and auxiliary losses; the layer's losses are the means
-    over the groups. After a forward, ``aux_loss``, ``z_loss`` and ``stats`` hold what the step needs.
+    The tokens are routed in ``segments`` equal, consecutive segments (GShard's groups: with expert
+    parallelism, one per rank), each with its own expert capacity and auxiliary losses; the layer's losses
+    are the means over the segments. After a forward, ``aux_loss``, ``z_loss`` and ``stats`` hold what the
+    step needs.
     """
 
-    def __init__(self, cfg: MoEConfig, groups: int = 1, grouped: bool = True, n_local: int | None = None):
+    def __init__(self, cfg: MoEConfig, segments: int = 1, grouped: bool = True, n_local: int | None = None):
         super().__init__()
-        self.cfg, self.groups, self.grouped = cfg, groups, grouped
+        self.cfg, self.segments, self.grouped = cfg, segments, grouped
         self.router = nn.Linear(cfg.d_model, cfg.n_experts, bias=False)
         self.experts = Experts(cfg.n_experts if n_local is None else n_local, cfg.d_model, cfg.d_ff)
         self.register_buffer("expert_bias", torch.zeros(cfg.n_experts))  # used to choose experts only
@@ -199,24 +193,27 @@ class MoELayer(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         tokens = x.reshape(-1, x.shape[-1])
-        if tokens.shape[0] % self.groups:
-            raise ValueError(f"groups={self.groups} must divide the {tokens.shape[0]} tokens of the batch")
+        if tokens.shape[0] % self.segments:
+            raise ValueError(f"segments={self.segments} must divide the {tokens.shape[0]} tokens "
+                             f"of the batch")
         outs, routings = [], []
-        for group in tokens.chunk(self.groups):
-            routing = self.route(group)
+        for segment in tokens.chunk(self.segments):
+            routing = self.route(segment)
             token, expert, gate = sort_by_expert(routing)
             counts = torch.bincount(expert, minlength=self.cfg.n_experts).tolist()
-            rows = self.compute_experts(group[token], counts)
-            outs.append(torch.zeros_like(group).index_add(0, token, rows * gate.unsqueeze(-1).to(rows.dtype)))
+            rows = self.compute_experts(segment[token], counts)
+            weighted = rows * gate.unsqueeze(-1).to(rows.dtype)
+            outs.append(torch.zeros_like(segment).index_add(0, token, weighted))
             routings.append(routing)
         self.record(routings)
         return torch.cat(outs).view_as(x)
 
     def record(self, routings: list[Routing]) -> None:
-        """Each group's auxiliary losses (the layer's are their means) and counts, kept for checks and balancing."""
-        self.aux_per_group = torch.stack([load_balancing_loss(r.probs, r.expert) for r in routings])
-        self.z_per_group = torch.stack([router_z_loss(r.logits) for r in routings])
-        self.aux_loss, self.z_loss = self.aux_per_group.mean(), self.z_per_group.mean()
+        """Each segment's auxiliary losses (the layer's are their means) and counts, kept for checks and
+        balancing."""
+        self.aux_per_segment = torch.stack([load_balancing_loss(r.probs, r.expert) for r in routings])
+        self.z_per_segment = torch.stack([router_z_loss(r.logits) for r in routings])
+        self.aux_loss, self.z_loss = self.aux_per_segment.mean(), self.z_per_segment.mean()
         E = self.cfg.n_experts
         self.stats = {
             "chosen": torch.stack([torch.bincount(r.expert.reshape(-1), minlength=E) for r in routings]),
@@ -232,124 +229,6 @@ class MoELayer(nn.Module):
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Expert parallelism: the all-to-all and the layer
-# ---------------------------------------------------------------------------------------------------------
-
-
-def _all_to_all(x: torch.Tensor, send: list[int], recv: list[int], group, label: str) -> torch.Tensor:
-    """``send[j]`` rows of ``x`` to rank ``j``, ``recv[j]`` rows from rank ``j``, in rank order; booked."""
-    x = x.contiguous()
-    out = x.new_empty((sum(recv), *x.shape[1:]))
-    LEDGER.record_all_to_all(label, x, send, recv, group)
-    dist.all_to_all_single(out, x, output_split_sizes=recv, input_split_sizes=send, group=group)
-    return out
-
-
-class _AllToAll(torch.autograd.Function):
-    """An all-to-all with uneven splits; its backward is the reverse all-to-all, the split sizes swapped
-    (GShard, Lepikhin et al. 2021): each row's gradient goes back to the rank the row came from."""
-
-    @staticmethod
-    def forward(ctx, x, send, recv, group, label):
-        ctx.send, ctx.recv, ctx.group, ctx.label = send, recv, group, label
-        return _all_to_all(x, send, recv, group, label)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _all_to_all(grad, ctx.recv, ctx.send, ctx.group, ctx.label + " (backward)"), None, None, None, None
-
-
-def all_to_all(x, send: list[int], recv: list[int], group=None, label: str = "all_to_all") -> torch.Tensor:
-    return _AllToAll.apply(x, send, recv, group, label)
-
-
-def exchange_counts(per_expert: torch.Tensor, group=None) -> torch.Tensor:
-    """Send each rank how many rows it will get for each of its experts; return ``(ep, local experts)``: rows
-    that will arrive from each rank for each local expert. The all-to-all of rows needs these split sizes first."""
-    ep = dist.get_world_size(group)
-    received = torch.empty_like(per_expert)
-    LEDGER.record_all_to_all("moe_counts", per_expert.view(ep, -1), [1] * ep, [1] * ep, group)
-    dist.all_to_all_single(received, per_expert, group=group)
-    return received.view(ep, -1)
-
-
-class ExpertParallelMoE(MoELayer):
-    """Rank ``rank``'s part of a :class:`MoELayer` over ``ep`` ranks: the whole router, experts
-    ``rank·E/ep … (rank+1)·E/ep``, and this rank's own tokens (one GShard group)."""
-
-    def __init__(self, cfg: MoEConfig, rank: int, ep: int, group=None, grouped: bool = True):
-        check_layout(cfg, ep)
-        super().__init__(cfg, groups=1, grouped=grouped, n_local=cfg.n_experts // ep)
-        self.rank, self.ep, self.group = rank, ep, group
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        tokens = x.reshape(-1, x.shape[-1])
-        routing = self.route(tokens)
-        token, expert, gate = sort_by_expert(routing)
-        per_expert = torch.bincount(expert, minlength=self.cfg.n_experts)
-        from_ranks = exchange_counts(per_expert, self.group)  # (source rank, local expert)
-        send = per_expert.view(self.ep, -1).sum(-1).tolist()
-        recv = from_ranks.sum(-1).tolist()
-        arrived = all_to_all(tokens[token], send, recv, self.group, "moe_dispatch")
-        # arrived rows are ordered by source rank, then expert: regroup them by expert for the matmuls
-        local_expert = torch.arange(from_ranks.shape[1]).repeat(self.ep).repeat_interleave(from_ranks.reshape(-1))
-        order = torch.argsort(local_expert, stable=True)
-        rows = self.compute_experts(arrived[order], from_ranks.sum(0).tolist())
-        back = all_to_all(rows[torch.argsort(order)], recv, send, self.group, "moe_combine")
-        out = torch.zeros_like(tokens).index_add(0, token, back * gate.unsqueeze(-1).to(back.dtype))
-        self.record([routing])
-        # what the checks compare with the single process: the split sizes this rank gave dispatch, the counts
-        # the count exchange delivered, and the rows dispatch's all_to_all_single delivered
-        self.stats.update(send=torch.tensor(send), from_ranks=from_ranks, arrived=arrived.detach(),
-                          received=from_ranks.sum(0))
-        return out.view_as(x)
-
-    def global_load(self) -> torch.Tensor:
-        load = self.stats["chosen"].sum(0).clone()
-        LEDGER.record("all_reduce", load, self.group)
-        dist.all_reduce(load, group=self.group)  # integers: exact
-        return load
-
-    @classmethod
-    def from_layer(cls, layer: MoELayer, rank: int, ep: int, group=None, grouped: bool | None = None):
-        """This rank's copy of a single-process layer: its router and bias, and its slice of the experts."""
-        part = cls(layer.cfg, rank, ep, group, layer.grouped if grouped is None else grouped)
-        part = part.to(layer.router.weight.dtype)
-        n = layer.cfg.n_experts // ep
-        with torch.no_grad():
-            part.router.weight.copy_(layer.router.weight)
-            part.expert_bias.copy_(layer.expert_bias)
-            for name in ("up_proj", "down_proj"):
-                getattr(part.experts, name).weight.copy_(getattr(layer.experts, name).weight[rank * n:(rank + 1) * n])
-        return part
-
-
-def dispatch_arrivals(expert: torch.Tensor, kept: torch.Tensor, n_experts: int, rank: int) -> torch.Tensor:
-    """The tokens whose rows a single-process routing sends to ``rank``'s experts, in the order dispatch
-    delivers them: by source rank, then expert, then token.
-
-    ``expert`` and ``kept`` are a :class:`MoELayer`'s ``stats`` of the same name, ``(ep, tokens, top_k)``, one
-    routing group per rank; a token is named by its place in the whole batch, ``group · tokens + token``.
-    """
-    ep, tokens, _ = expert.shape
-    n = n_experts // ep
-    arrivals = []
-    for source in range(ep):
-        for e in range(rank * n, (rank + 1) * n):
-            chose = ((expert[source] == e) & kept[source]).any(-1)
-            arrivals.append(torch.nonzero(chose).flatten() + source * tokens)
-    return torch.cat(arrivals)
-
-
-def identify_rows(rows: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    """Which of ``tokens`` (a whole batch, one row each) each of ``rows`` is a copy of, bit for bit; -1 for a
-    row that is a copy of none or of several. An all-to-all copies rows, so every row it delivered is found."""
-    same = (rows.unsqueeze(1) == tokens.unsqueeze(0)).all(-1)
-    found = same.int().argmax(-1)
-    return torch.where(same.sum(-1) == 1, found, -1)
-
-
-# ---------------------------------------------------------------------------------------------------------
 # The book's GPT with MoE layers
 # ---------------------------------------------------------------------------------------------------------
 
@@ -357,15 +236,16 @@ def identify_rows(rows: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
 class MoEGPT(GPT):
     """:class:`helpers.model.GPT` with a :class:`MoELayer` in place of every block's MLP.
 
-    ``forward(idx, targets)`` returns the logits and the training loss: the cross-entropy (kept as ``lm_loss``)
-    plus ``aux_loss_coef`` times the load-balancing losses and ``z_loss_coef`` times the z-losses of all layers.
+    ``forward(idx, targets)`` returns the logits and the training loss: the cross-entropy (kept as
+    ``lm_loss``) plus ``aux_loss_coef`` times the load-balancing losses and ``z_loss_coef`` times the z-losses
+    of all layers.
     """
 
-    def __init__(self, cfg: MoEConfig, seed: int = 0, groups: int = 1, grouped: bool = True):
+    def __init__(self, cfg: MoEConfig, seed: int = 0, segments: int = 1, grouped: bool = True):
         super().__init__(cfg, seed)
         for block in self.blocks:
-            block.mlp = MoELayer(cfg, groups, grouped)
-        init_weights(self, seed)  # again, over the MoE layers' parameters: experts' down_proj scaled as GPT-2's
+            block.mlp = MoELayer(cfg, segments, grouped)
+        init_weights(self, seed)  # again, over the MoE layers: experts' down_proj scaled as GPT-2's
 
     def moe_layers(self) -> list[MoELayer]:
         return [block.mlp for block in self.blocks]
@@ -380,32 +260,6 @@ class MoEGPT(GPT):
         return logits, self.lm_loss + self.cfg.aux_loss_coef * aux + self.cfg.z_loss_coef * z
 
 
-def from_reference(reference: MoEGPT, rank: int, ep: int, group=None, grouped: bool | None = None) -> MoEGPT:
-    """Rank ``rank``'s expert-parallel copy of ``reference``: everything replicated but the experts."""
-    check_layout(reference.cfg, ep)
-    model = MoEGPT(reference.cfg).to(reference.tok_emb.weight.dtype)
-    model.load_state_dict(reference.state_dict())
-    for block, ref_block in zip(model.blocks, reference.blocks):
-        block.mlp = ExpertParallelMoE.from_layer(ref_block.mlp, rank, ep, group, grouped)
-    return model
-
-
-def is_expert(name: str) -> bool:
-    return ".experts." in name
-
-
-def finish_gradients(model: nn.Module, group=None) -> None:
-    """After backward on every rank: the replicated (non-expert) gradients are averaged over the ranks in one
-    all-reduce, as DDP does. An expert's gradient already sums every rank's tokens, brought by the backward
-    all-to-all, so it is only divided by the number of ranks: each rank's loss is its own tokens' mean."""
-    world_size = dist.get_world_size(group)
-    dense = [p for name, p in model.named_parameters() if not is_expert(name)]
-    bucketed_average([dense], group)
-    for name, p in model.named_parameters():
-        if is_expert(name):
-            p.grad /= world_size
-
-
 @torch.no_grad()
 def update_expert_bias(model: MoEGPT, rate: float) -> None:
     """DeepSeek-V3's auxiliary-loss-free balancing (Liu et al. 2024, section 2.1.2): after each step, every
@@ -413,16 +267,3 @@ def update_expert_bias(model: MoEGPT, rate: float) -> None:
     for layer in model.moe_layers():
         load = layer.global_load().to(layer.expert_bias.dtype)
         layer.expert_bias += rate * torch.sign(load.mean() - load)
-
-
-def expert_shards(params: dict, cfg: MoEConfig, rank: int, ep: int) -> dict:
-    """This rank's part of a full (reference) state: the experts' slice, everything else whole."""
-    n = cfg.n_experts // ep
-    return {name: t[rank * n:(rank + 1) * n] if is_expert(name) else t for name, t in params.items()}
-
-
-def unshard_experts(per_rank: list[dict]) -> dict:
-    """Every rank's state put back under the reference's names: the experts' slices concatenated in rank
-    order; the replicated tensors taken from rank 0."""
-    return {name: torch.cat([s[name] for s in per_rank]) if is_expert(name) else t
-            for name, t in per_rank[0].items()}
