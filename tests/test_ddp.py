@@ -1,20 +1,26 @@
-"""Data parallelism (chapter 03): buckets in this process; every version of DDP on two ranks against one process.
+"""Data parallelism (chapter 03): buckets and the batch's split in this process; every version of DDP on two
+ranks against one process.
 
-The distributed tests run each version on two ranks (each takes half of the global batch) and compare the
-averaged gradients with one backward pass here over the whole batch, within fp32 rounding (rtol 1e-6 of each
-tensor's largest entry). Gradient accumulation runs three micro-batches per rank under ``no_sync``.
+The bucket and split tests run in this process. The distributed tests start two ranks, run each version (per
+parameter, bucketed, overlapped, PyTorch's DDP, the book's ring as the all-reduce) with each rank taking half
+of the global batch, and compare the averaged gradients with one backward pass here over the whole batch,
+within fp32 rounding: rtol 1e-6 of each tensor's largest entry. Gradient accumulation runs three micro-batches
+per rank under ``no_sync``; the bookings and the ring's counted bytes are compared exactly.
 """
 
 import ipyparallel as ipp
 import pytest
 import torch
 
+from conftest import assert_close_to_scale, seeded_batch, small_config
+from helpers.data import rank_rows
+from helpers.model import GPT
 from helpers.parallel.data_parallel import build_buckets
-from helpers.model import GPT, GPTConfig
 
-CFG = GPTConfig(vocab_size=16, seq_len=8, n_layers=2, d_model=32, n_heads=4, n_kv_heads=2, d_ff=64)
+CFG = small_config()
 CAP_BYTES = 9000  # a few parameters per bucket; the 8 KiB MLP matrices fit, two of them do not
 GLOBAL_BATCH = 6  # 3 rows per rank: three micro-batches of one row for the accumulation test
+RTOL = 1e-6
 
 
 def test_buckets_cover_every_parameter_once_in_reverse_order_within_the_cap():
@@ -26,26 +32,20 @@ def test_buckets_cover_every_parameter_once_in_reverse_order_within_the_cap():
     assert all(sum(p.numel() * 4 for p in b) <= 400 for b in buckets if len(b) > 1)
 
 
-def _batch():
-    gen = torch.Generator().manual_seed(0)
-    x = torch.randint(0, CFG.vocab_size, (GLOBAL_BATCH, CFG.seq_len), generator=gen)
-    y = torch.randint(0, CFG.vocab_size, (GLOBAL_BATCH, CFG.seq_len), generator=gen)
-    return x, y
+def test_each_rank_takes_its_own_rows_and_an_uneven_batch_is_refused():
+    x, _ = seeded_batch(CFG, GLOBAL_BATCH)
+    assert torch.equal(torch.cat([rank_rows(x, r, 3) for r in range(3)]), x)
+    assert torch.equal(rank_rows(x, 1, 2), x[3:])
+    with pytest.raises(ValueError, match="a batch of 6 rows does not split evenly over 4 ranks"):
+        rank_rows(x, 0, 4)
 
 
 @pytest.fixture(scope="module")
 def reference():
     model = GPT(CFG, seed=0)
-    x, y = _batch()
+    x, y = seeded_batch(CFG, GLOBAL_BATCH)
     model(x, y)[1].backward()
     return {n: p.grad.clone() for n, p in model.named_parameters()}
-
-
-def _assert_close(got: dict, want: dict, rtol=1e-6):
-    assert sorted(got) == sorted(want)
-    for name in want:
-        scale = want[name].abs().max().item()
-        assert (got[name] - want[name]).abs().max().item() <= rtol * scale, name
 
 
 @ipp.interactive  # sent by value: the engines cannot import this test module
@@ -54,10 +54,10 @@ def _data_parallel_step(cfg, x, y, version, cap_bytes, micro_batches=1):
 
     import torch.distributed as dist
 
-    from helpers.parallel import collectives, data_parallel
     from helpers.data import rank_rows
-    from helpers.parallel.ledger import LEDGER, expected_bytes
     from helpers.model import GPT
+    from helpers.parallel import collectives, data_parallel
+    from helpers.parallel.ledger import LEDGER, expected_bytes
 
     rank, world_size = dist.get_rank(), dist.get_world_size()
     xs, ys = rank_rows(x, rank, world_size), rank_rows(y, rank, world_size)
@@ -103,10 +103,10 @@ def _data_parallel_step(cfg, x, y, version, cap_bytes, micro_batches=1):
 
 @pytest.mark.parametrize("version", ["per parameter", "bucketed", "overlapped", "torch"])
 def test_two_ranks_average_to_the_single_process_gradient(ranks, reference, version):
-    x, y = _batch()
+    x, y = seeded_batch(CFG, GLOBAL_BATCH)
     results = ranks.apply(_data_parallel_step, CFG, x, y, version, CAP_BYTES)
-    for found in results:
-        _assert_close(found["grads"], reference)
+    for rank, found in enumerate(results):
+        assert_close_to_scale(found["grads"], reference, RTOL, f"{version}, rank {rank}:")
     if version == "torch":
         return
     # the bookings prove which buffers went to torch.distributed.all_reduce, and on which group
@@ -117,33 +117,34 @@ def test_two_ranks_average_to_the_single_process_gradient(ranks, reference, vers
 
 
 def test_accumulating_three_micro_batches_communicates_once_and_matches(ranks, reference):
-    x, y = _batch()
+    x, y = seeded_batch(CFG, GLOBAL_BATCH)
     results = ranks.apply(_data_parallel_step, CFG, x, y, "overlapped", CAP_BYTES, 3)
-    for found in results:
-        _assert_close(found["grads"], reference)
+    for rank, found in enumerate(results):
+        assert_close_to_scale(found["grads"], reference, RTOL, f"three micro-batches, rank {rank}:")
         assert found["messages after the first micro-batch"] == 0
         assert len(found["booked"]) == len(found["bucket_numels"])
 
 
 def test_the_book_ring_as_all_reduce_moves_what_the_formula_says(ranks, reference):
-    x, y = _batch()
+    x, y = seeded_batch(CFG, GLOBAL_BATCH)
     results = ranks.apply(_data_parallel_step, CFG, x, y, "overlapped, ring", CAP_BYTES)
-    for found in results:
-        _assert_close(found["grads"], reference)
+    for rank, found in enumerate(results):
+        assert_close_to_scale(found["grads"], reference, RTOL, f"the ring, rank {rank}:")
         assert found["booked"] == []
         assert list(found["counted"]) == found["formula"]
         grad_bytes = 4 * sum(found["bucket_numels"])
-        assert abs(found["counted"][0] - grad_bytes) <= 4 * len(found["bucket_numels"])  # 2(N-1)/N = 1 at N=2
+        # 2(N-1)/N = 1 at N=2; a bucket of odd length splits into chunks one element apart
+        assert abs(found["counted"][0] - grad_bytes) <= 4 * len(found["bucket_numels"])
 
 
 @ipp.interactive
 def _wrong_pattern(cfg, x, y, wrong, cap_bytes):
     import torch.distributed as dist
 
-    from helpers.parallel import data_parallel
     from helpers.checks import CheckFailed
     from helpers.data import rank_rows
     from helpers.model import GPT
+    from helpers.parallel import data_parallel
 
     rank, world_size = dist.get_rank(), dist.get_world_size()
     model = GPT(cfg, seed=0)
@@ -166,6 +167,27 @@ def _wrong_pattern(cfg, x, y, wrong, cap_bytes):
                                             ("per parameter", "would fit under the cap as one"),
                                             ("one bucket", "over the 9,000-byte cap")])
 def test_the_communication_check_rejects_a_wrong_pattern(ranks, wrong, message):
-    x, y = _batch()
+    x, y = seeded_batch(CFG, GLOBAL_BATCH)
     for err in ranks.apply(_wrong_pattern, CFG, x, y, wrong, CAP_BYTES):
         assert err is not None and message in err, err
+
+
+@ipp.interactive
+def _a_parameter_without_gradient():
+    import torch
+
+    from helpers.parallel import data_parallel
+
+    used, unused = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+    trainer = data_parallel.OverlappedDDP(torch.nn.ModuleList([used, unused]), cap_bytes=64)
+    used(torch.ones(2, 4)).sum().backward()
+    try:
+        trainer.finish()
+    except RuntimeError as err:
+        return str(err)
+    return None
+
+
+def test_a_parameter_that_gets_no_gradient_stops_the_step(ranks):
+    for err in ranks.apply(_a_parameter_without_gradient):
+        assert err is not None and "never became ready: a parameter got no gradient" in err, err
