@@ -23,7 +23,8 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class Cluster:
-    """Hardware for the time model. Bandwidths are per GPU, in bytes per second, as nccl-tests' bus bandwidth."""
+    """Hardware for the time model. Bandwidths are per GPU, in bytes per second, as nccl-tests' bus
+    bandwidth."""
 
     name: str
     gpus_per_node: int
@@ -43,9 +44,9 @@ H100 = Cluster("8x H100 SXM per node, NVLink 4 and 8x400 Gb/s InfiniBand", gpus_
 class DPTransfer:
     """Data-parallel collectives issued together, ``times`` per step, and the compute they may hide behind.
 
-    ``behind`` is "backward" (the backward of one micro-batch: the gradients it reduces are final only once the
-    micro-batch that produced them has passed), "forward" (ZeRO-3's prefetched gather before a micro-batch's
-    forward) or "" (nothing: the parameters' all-gather after the optimizer step).
+    ``behind`` is "backward" (the backward of one micro-batch: the gradients it reduces are final only once
+    the micro-batch that produced them has passed), "forward" (ZeRO-3's prefetched gather before a
+    micro-batch's forward) or "" (nothing: the parameters' all-gather after the optimizer step).
     """
 
     kind: str          # "dp" or "dp (experts)": the group, for its link
@@ -67,18 +68,20 @@ def ring_all_gather_bytes(n_bytes: int, n: int) -> float:
     return cost_terms("ring_all_gather", n)[1] * n_bytes
 
 
-def data_parallel_traffic(n_params: int, group: int, zero: int, m: int, precision, label: str = "dp"):
-    """The data-parallel collectives of one step for ``n_params`` parameters reduced over ``group`` ranks.
+def data_parallel_traffic(n_params: int, dp: int, zero: int, m: int, precision, label: str = "dp"):
+    """The data-parallel collectives of one step for ``n_params`` parameters reduced over ``dp`` ranks.
 
     Unsharded gradients accumulate over the ``m`` micro-batches and are reduced once (an all-reduce; ZeRO-1 a
-    reduce-scatter, then an all-gather of the updated parameters); sharded ones (ZeRO-2, ZeRO-3) keep only this
-    rank's shard, so every micro-batch's gradient is reduce-scattered before the next overwrites the unsharded
-    buffer; ZeRO-3 also gathers the parameters for every micro-batch's forward and again for its backward.
+    reduce-scatter, then an all-gather of the updated parameters); sharded ones (ZeRO-2, ZeRO-3) keep only
+    this rank's shard, so every micro-batch's gradient is reduce-scattered before the next overwrites the
+    unsharded buffer; ZeRO-3 also gathers the parameters for every micro-batch's forward and again for its
+    backward. Each entry is a :class:`DPTransfer`: bytes and message steps per occurrence, occurrences per
+    step.
     """
     g, p = n_params * precision.grad_bytes, n_params * precision.param_bytes
-    rs, ag, n = ring_all_gather_bytes(g, group), ring_all_gather_bytes(p, group), group - 1
+    rs, ag, n = ring_all_gather_bytes(g, dp), ring_all_gather_bytes(p, dp), dp - 1
     if zero == 0:
-        plan = [(ring_all_reduce_bytes(g, group), 2 * n, 1, "backward")]
+        plan = [(ring_all_reduce_bytes(g, dp), 2 * n, 1, "backward")]
     elif zero == 1:
         plan = [(rs, n, 1, "backward"), (ag, n, 1, "")]
     elif zero == 2:
@@ -95,11 +98,11 @@ def tensor_parallel_traffic(x_bytes: int, tp: int, sp: bool, layers: int, m: int
 
     Two all-reduces per layer forward and two backward (Megatron's f and g); with sequence parallelism each
     becomes an all-gather and a reduce-scatter (the same bytes), and backward gathers the inputs of the two
-    column-parallel layers again, half an all-reduce each: the activation accounting of Korthikanti et al. 2022
-    keeps only this rank's slice of them, as Megatron does. A fully recomputed forward repeats the forward's
-    two. The vocabulary-parallel embedding (forward) counts where ``embedding`` is on this rank's stage; the LM
-    head's input (backward, re-gathered with SP) always does: with pipeline stages the model charges the
-    busiest stage's layers and the costlier end, the head.
+    column-parallel layers again, half an all-reduce each: the activation accounting of Korthikanti et al.
+    2022 keeps only this rank's slice of them, as Megatron does. A fully recomputed forward repeats the
+    forward's two. The vocabulary-parallel embedding (forward) counts where ``embedding`` is on this rank's
+    stage; the LM head's input (backward, re-gathered with SP) always does: with pipeline stages the model
+    charges the busiest stage's layers and the costlier end, the head.
     """
     all_reduce = ring_all_reduce_bytes(x_bytes, tp)  # = an all-gather + a reduce-scatter of x
     regather = ring_all_gather_bytes(x_bytes, tp) if sp else 0
@@ -123,19 +126,21 @@ def context_parallel_traffic(kv_bytes: int, cp: int, layers: int, m: int) -> tup
 
 def expert_parallel_traffic(routed_bytes: int, ep: int, moe_layers: int, m: int) -> tuple[float, int]:
     """The all-to-alls of every MoE layer (dispatch and combine forward, their two gradients backward), each
-    sending the ``(ep-1)/ep`` of the ``routed_bytes`` (tokens x top-k rows) that leave this rank, under uniform
-    routing."""
+    sending the ``(ep-1)/ep`` of the ``routed_bytes`` (tokens x top-k rows) that leave this rank, under
+    uniform routing."""
     return m * moe_layers * 4 * (ep - 1) * routed_bytes / ep, m * moe_layers * 4 * (ep - 1)
 
 
 def traffic(model, batch, L, P, act, dense: int, expert: int, m: int):
-    """Bytes each parallelism sends from one rank per optimizer step, its sequential message steps, and when the
-    data-parallel part of it runs (:class:`DPTransfer`): the formulas above, for the busiest pipeline stage."""
+    """Bytes each parallelism sends from one rank per optimizer step, its sequential message steps, and when
+    the data-parallel part of it runs (:class:`DPTransfer`): the formulas above, for the busiest pipeline
+    stage."""
     sent, steps, transfers = {}, {}, []
-    for label, count, group in (("dp", dense, L.dp * L.cp), ("dp (experts)", expert, L.dp * L.cp // L.ep)):
-        if group == 1 or count == 0:
+    # dense parameters are reduced over the dp·cp ranks, each expert's over the dp·cp/ep ranks that hold it
+    for label, count, dp in (("dp", dense, L.dp * L.cp), ("dp (experts)", expert, L.dp * L.cp // L.ep)):
+        if dp == 1 or count == 0:
             continue
-        plan = data_parallel_traffic(count, group, L.zero, m, P, label)
+        plan = data_parallel_traffic(count, dp, L.zero, m, P, label)
         transfers += plan
         sent[label] = sum(x.nbytes * x.times for x in plan)
         steps[label] = sum(x.messages * x.times for x in plan)
@@ -169,8 +174,9 @@ class StepTime:
     mfu: float
 
 
-def _group_bandwidth(kind: str, L: Layout, cluster: Cluster) -> tuple[float, float]:
-    """(bandwidth, alpha) of a group: within a node if its ranks fit in one (tp innermost, then cp, dp, pp)."""
+def _link(kind: str, L: Layout, cluster: Cluster) -> tuple[float, float]:
+    """(bandwidth, alpha) of the link a parallelism's ranks talk over: within a node if they fit in one (tp
+    innermost, then cp, dp, pp)."""
     span = {"tp": L.tp, "cp": L.tp * L.cp, "ep": L.tp * L.cp * L.ep, "dp": L.tp * L.cp * L.dp,
             "dp (experts)": L.tp * L.cp * L.dp,
             "pp": 2 * L.tp * L.cp * L.dp}[kind]  # pp: two neighbouring stages
@@ -194,20 +200,23 @@ def step_time(b: Budget, cluster: Cluster, overlap: bool = True) -> StepTime:
     L, m = b.layout, b.micro_batches
     rate = cluster.peak_flops * cluster.efficiency
     compute = b.flops["total"] / L.world_size / rate
-    forward = b.flops["model"] / 3 / L.world_size / rate / m  # one micro-batch's forward, without recomputation
+    forward = b.flops["model"] / 3 / L.world_size / rate / m  # a micro-batch's forward, no recomputation
     window = {"forward": forward, "backward": compute / m - forward, "": 0.0}
     comm = {}
     for kind, n_bytes in b.sent.items():
-        bw, alpha = _group_bandwidth(kind, L, cluster)
+        bw, alpha = _link(kind, L, cluster)
         comm[kind] = n_bytes / bw + b.messages[kind] * alpha
     dp_comm = sum(v for k, v in comm.items() if k.startswith("dp"))
     other = sum(v for k, v in comm.items() if not k.startswith("dp"))
     if overlap:  # the transfers that share a window (the dense and the expert groups') run in it together
         shared = {}
         for x in b.dp_transfers:
-            bw, alpha = _group_bandwidth(x.kind, L, cluster)
-            shared[x.behind, x.times] = shared.get((x.behind, x.times), 0.0) + x.nbytes / bw + x.messages * alpha
-        dp_exposed = sum(times * max(0.0, seconds - window[behind]) for (behind, times), seconds in shared.items())
+            bw, alpha = _link(x.kind, L, cluster)
+            seconds = x.nbytes / bw + x.messages * alpha
+            shared[x.behind, x.times] = shared.get((x.behind, x.times), 0.0) + seconds
+        dp_exposed = sum(times * max(0.0, seconds - window[behind])
+                         for (behind, times), seconds in shared.items())
+
     else:
         dp_exposed = dp_comm
     exposed = other + dp_exposed
