@@ -11,8 +11,8 @@ import ipyparallel as ipp
 import pytest
 import torch
 
-from helpers.parallel import tensor_parallel
 from helpers.model import GPT, GPTConfig
+from helpers.parallel import tensor_parallel
 
 CFG = GPTConfig(vocab_size=16, seq_len=8, n_layers=2, d_model=32, n_heads=4, n_kv_heads=2, d_ff=64)
 
@@ -58,7 +58,8 @@ def test_each_rank_holds_its_slice_under_the_plans_names(cfg):
         assert sorted(params) == sorted(tensor_parallel.shard_plan(cfg, 2))
         q_rows = cfg.n_heads * cfg.head_dim // 2
         qkv = params["blocks.0.attn.qkv_proj.weight"]
-        assert torch.equal(qkv[:q_rows], reference.blocks[0].attn.q_proj.weight[rank * q_rows:(rank + 1) * q_rows])
+        assert torch.equal(qkv[:q_rows],
+                           reference.blocks[0].attn.q_proj.weight[rank * q_rows:(rank + 1) * q_rows])
         cols = cfg.d_ff // 2
         assert torch.equal(params["blocks.1.mlp.down_proj.weight"],
                            reference.blocks[1].mlp.down_proj.weight[:, rank * cols:(rank + 1) * cols])
@@ -71,14 +72,15 @@ def _tensor_parallel_step(cfg, sequence_parallel, sync_norms):
     import torch
     import torch.distributed as dist
 
-    from helpers.parallel import tensor_parallel
     from helpers.model import GPT
+    from helpers.parallel import tensor_parallel
 
     rank, world_size = dist.get_rank(), dist.get_world_size()
     gen = torch.Generator().manual_seed(0)
     x = torch.randint(0, cfg.vocab_size, (4, cfg.seq_len), generator=gen)
     y = torch.randint(0, cfg.vocab_size, (4, cfg.seq_len), generator=gen)
-    model = tensor_parallel.from_reference(GPT(cfg, seed=0), rank, world_size, sequence_parallel=sequence_parallel)
+    model = tensor_parallel.from_reference(GPT(cfg, seed=0), rank, world_size,
+                                           sequence_parallel=sequence_parallel)
     logits, loss = model(x, y)
     loss.backward()
     if sync_norms:
@@ -86,7 +88,8 @@ def _tensor_parallel_step(cfg, sequence_parallel, sync_norms):
     return logits.detach(), loss.item(), tensor_parallel.named_grads(model)
 
 
-@pytest.mark.parametrize("cfg", [CFG, replace(CFG, gated=True, tie_embeddings=False)], ids=["tied", "gated-untied"])
+@pytest.mark.parametrize("cfg", [CFG, replace(CFG, gated=True, tie_embeddings=False)],
+                         ids=["tied", "gated-untied"])
 @pytest.mark.parametrize("sequence_parallel", [False, True])
 def test_two_ranks_match_the_single_process(ranks, cfg, sequence_parallel):
     gen = torch.Generator().manual_seed(0)
@@ -118,4 +121,4 @@ def test_sequence_parallel_without_the_norm_all_reduce_is_wrong(ranks):
     partial = [g["ln_f.weight"] for _, _, g in results]
     want = reference.ln_f.weight.grad
     assert not torch.allclose(partial[0], want, rtol=1e-3, atol=0)
-    torch.testing.assert_close(partial[0] + partial[1], want, rtol=1e-5, atol=1e-7)  # each rank's tokens' share
+    torch.testing.assert_close(partial[0] + partial[1], want, rtol=1e-5, atol=1e-7)  # the ranks' shares

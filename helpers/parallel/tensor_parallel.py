@@ -1,27 +1,23 @@
-"""Tensor and sequence parallelism from scratch (chapter 05), in Megatron-LM's names.
+"""Tensor and sequence parallelism from scratch (chapter 05): the layers, in Megatron-LM's names.
 
-Tensor parallelism (Shoeybi et al. 2019) splits every weight matrix of a transformer layer over the ``tp`` ranks
-of a group, so that each rank stores and multiplies ``1/tp`` of it:
+Tensor parallelism (Shoeybi et al. 2019) splits every weight matrix of a transformer layer over the ``tp``
+ranks of a group, so that each rank stores and multiplies ``1/tp`` of it. The operators between the layers,
+``f`` and ``g`` and their sequence-parallel forms, are in :mod:`helpers.parallel.tensor_parallel_comms`:
 
-- :class:`ColumnParallelLinear` splits a weight along its outputs: each rank computes some output features from
-  the full input. Its input enters through ``f`` (:func:`copy_to_tensor_parallel_region`: identity forward,
-  all-reduce backward).
+- :class:`ColumnParallelLinear` splits a weight along its outputs: each rank computes some output features
+  from the full input, which enters through ``f`` (identity forward, all-reduce backward).
 - :class:`RowParallelLinear` splits a weight along its inputs: each rank multiplies its slice of the features
-  and the partial products are summed by ``g`` (:func:`reduce_from_tensor_parallel_region`: all-reduce forward,
-  identity backward).
+  and the partial products are summed by ``g`` (all-reduce forward, identity backward).
 - Attention splits by heads (query heads and their KV heads together) and the MLP by hidden units: a
   column-parallel layer followed by a row-parallel one needs one all-reduce forward and one backward.
 - :class:`VocabParallelEmbedding` and :func:`vocab_parallel_cross_entropy` split the vocabulary; the loss is
   computed without ever gathering the full logits.
 
-Sequence parallelism (Korthikanti et al. 2022) also splits the rest of the layer, the norms and residual
-stream, along the sequence: the all-reduce of ``g`` becomes a reduce-scatter
-(:func:`reduce_scatter_to_sequence_parallel_region`) and ``f`` an all-gather
-(:func:`gather_from_sequence_parallel_region`), the same bytes, ``1/tp`` of those activations per rank; backward
-also gathers each column-parallel layer's input again (:class:`_SequenceParallelLinear`), since only this rank's
-slice of it is kept. The
-parameters of the sequence-split region (the norms, the position embedding) then see only their rank's tokens,
-and :func:`allreduce_sequence_parallel_grads` sums their gradients.
+Sequence parallelism (Korthikanti et al. 2022) also splits the norms and residual stream along the sequence:
+``g`` becomes a reduce-scatter and ``f`` an all-gather, the same bytes, ``1/tp`` of those activations per
+rank; backward gathers each column-parallel layer's input again (:class:`_SequenceParallelLinear`), since only
+this rank's slice of it is kept. The norms and the position embedding then see only their rank's tokens, and
+:func:`allreduce_sequence_parallel_grads` sums their gradients.
 
 :class:`TensorParallelGPT` is :class:`helpers.model.GPT` made of these layers; :func:`from_reference` builds
 one rank's copy from the reference's weights (:func:`shard_state`), and :func:`unshard_state` puts the ranks'
@@ -37,127 +33,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from helpers import layout_rules
-from helpers.parallel.ledger import LEDGER
 from helpers.model import GPTConfig
-
-SEQ_DIM = 1  # activations are (batch, sequence, features), as in helpers.model
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Collectives, booked in the ledger
-# ---------------------------------------------------------------------------------------------------------
-
-
-def _all_reduce(x: torch.Tensor, group=None) -> torch.Tensor:
-    """The sum over the group's ranks, in a new tensor."""
-    out = x.clone(memory_format=torch.contiguous_format)
-    LEDGER.record("all_reduce", out, group)
-    dist.all_reduce(out, group=group)
-    return out
-
-
-def _all_gather(x: torch.Tensor, dim: int, group=None) -> torch.Tensor:
-    """Every rank's ``x`` concatenated along ``dim``, in rank order."""
-    moved = x.movedim(dim, 0).contiguous()
-    out = moved.new_empty((dist.get_world_size(group) * moved.shape[0], *moved.shape[1:]))
-    LEDGER.record("all_gather", out, group)
-    dist.all_gather_single(out, moved, group=group)
-    return out.movedim(0, dim)
-
-
-def _reduce_scatter(x: torch.Tensor, dim: int, group=None) -> torch.Tensor:
-    """The sum over the group's ranks of ``x``, of which this rank keeps its slice along ``dim``."""
-    moved = x.movedim(dim, 0).contiguous()
-    world_size = dist.get_world_size(group)
-    if moved.shape[0] % world_size:
-        raise ValueError(f"a reduce-scatter over {world_size} ranks needs dim {dim} ({moved.shape[0]}) to "
-                         f"divide by {world_size}")
-    out = moved.new_empty((moved.shape[0] // world_size, *moved.shape[1:]))
-    LEDGER.record("reduce_scatter", moved, group)
-    dist.reduce_scatter_single(out, moved, group=group)
-    return out.movedim(0, dim)
-
-
-# ---------------------------------------------------------------------------------------------------------
-# The communication operators: autograd Functions
-# ---------------------------------------------------------------------------------------------------------
-
-
-class _CopyToTensorParallelRegion(torch.autograd.Function):
-    """Megatron's ``f`` (Shoeybi et al. 2019, section 3): identity forward, all-reduce backward.
-
-    It stands before a column-parallel layer: every rank uses the whole input, and the input's gradient is the
-    sum of each rank's contribution through its own slice of the weight.
-    """
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return x
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _all_reduce(grad, ctx.group), None
-
-
-class _ReduceFromTensorParallelRegion(torch.autograd.Function):
-    """Megatron's ``g`` (Shoeybi et al. 2019, section 3): all-reduce forward, identity backward.
-
-    It follows a row-parallel layer: each rank's partial product is summed; the sum's gradient reaches every
-    rank unchanged.
-    """
-
-    @staticmethod
-    def forward(ctx, x, group):
-        return _all_reduce(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None
-
-
-class _GatherFromSequenceParallelRegion(torch.autograd.Function):
-    """Sequence parallelism's ``g`` (Korthikanti et al. 2022, section 4.2), in the place of Megatron's ``f``:
-    all-gather the sequence forward, reduce-scatter the gradient backward."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _all_gather(x, SEQ_DIM, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _reduce_scatter(grad, SEQ_DIM, ctx.group), None
-
-
-class _ReduceScatterToSequenceParallelRegion(torch.autograd.Function):
-    """Sequence parallelism's ``g-bar`` (Korthikanti et al. 2022, section 4.2), in the place of Megatron's ``g``:
-    reduce-scatter along the sequence forward, all-gather the gradient backward."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _reduce_scatter(x, SEQ_DIM, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _all_gather(grad, SEQ_DIM, ctx.group), None
-
-
-def copy_to_tensor_parallel_region(x, group=None):
-    return _CopyToTensorParallelRegion.apply(x, group)
-
-
-def reduce_from_tensor_parallel_region(x, group=None):
-    return _ReduceFromTensorParallelRegion.apply(x, group)
-
-
-def gather_from_sequence_parallel_region(x, group=None):
-    return _GatherFromSequenceParallelRegion.apply(x, group)
-
-
-def reduce_scatter_to_sequence_parallel_region(x, group=None):
-    return _ReduceScatterToSequenceParallelRegion.apply(x, group)
+from helpers.parallel.ledger import LEDGER
+from helpers.parallel.tensor_parallel_comms import (SEQ_DIM, _all_gather, _all_reduce, _reduce_scatter,
+                                                    copy_to_tensor_parallel_region,
+                                                    reduce_from_tensor_parallel_region,
+                                                    reduce_scatter_to_sequence_parallel_region)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -174,11 +55,11 @@ def _divide(n: int, tp: int, what: str) -> int:
 class _SequenceParallelLinear(torch.autograd.Function):
     """All-gather the sequence, then multiply, keeping only this rank's slice of the input for backward.
 
-    Storing the gathered input would cost ``tp`` times the slice, and Korthikanti et al. 2022 count every activation
-    of a sequence-parallel layer divided by ``tp``; so, as Megatron does, backward gathers the input again to form
-    the weight's gradient, and the input's gradient is reduce-scattered back to the sequence slices. One weight
-    may hold several column-parallel layers stacked (Q, K and V): each gets its own output tensor, so that only
-    what attention keeps stays alive.
+    Storing the gathered input would cost ``tp`` times the slice, and Korthikanti et al. 2022 count every
+    activation of a sequence-parallel layer divided by ``tp``; so, as Megatron does, backward gathers the
+    input again to form the weight's gradient, and the input's gradient is reduce-scattered back to the
+    sequence slices. One weight may hold several column-parallel layers stacked (Q, K and V): each gets its
+    own output tensor, so that only what attention keeps stays alive.
     """
 
     @staticmethod
@@ -202,9 +83,9 @@ class ColumnParallelLinear(nn.Module):
     """``Y = X Aᵀ`` with ``A``'s rows (the output features) split over the ranks: rank ``r`` holds rows
     ``r·out/tp … (r+1)·out/tp`` and returns those output features (Shoeybi et al. 2019).
 
-    ``sizes`` stacks several layers that share the input in one weight (Q, K and V), each split over the ranks;
-    the forward then returns one tensor per layer. With ``sequence_parallel`` the input is this rank's slice of
-    the sequence and is all-gathered first.
+    ``sizes`` stacks several layers that share the input in one weight (Q, K and V), each split over the
+    ranks; the forward then returns one tensor per layer. With ``sequence_parallel`` the input is this rank's
+    slice of the sequence and is all-gathered first.
     """
 
     def __init__(self, in_features: int, out_features: int | tuple[int, ...], tp: int, group=None,
@@ -229,10 +110,11 @@ class RowParallelLinear(nn.Module):
     slice of the features, and the partial products are summed over the ranks (Shoeybi et al. 2019), or, with
     ``sequence_parallel``, summed and scattered along the sequence (Korthikanti et al. 2022)."""
 
-    def __init__(self, in_features: int, out_features: int, tp: int, group=None, sequence_parallel: bool = False):
+    def __init__(self, in_features: int, out_features: int, tp: int, group=None,
+                 sequence_parallel: bool = False):
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(out_features,
-                                               _divide(in_features, tp, "the input features of a row-parallel layer")))
+        per_rank = _divide(in_features, tp, "the input features of a row-parallel layer")
+        self.weight = nn.Parameter(torch.empty(out_features, per_rank))
         self.group, self.sequence_parallel = group, sequence_parallel
 
     def forward(self, x):
@@ -266,11 +148,12 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
-    """Cross-entropy of logits split along the vocabulary, without gathering them (Shoeybi et al. 2019, section 3).
+    """Cross-entropy of logits split along the vocabulary, without gathering them (Shoeybi et al. 2019,
+    section 3).
 
     Per token, three all-reduces of one number: the largest logit (for a stable exponential), the sum of the
-    exponentials, and the logit of the target, which lies in one rank's range. Backward needs no communication:
-    ``softmax - onehot(target)`` restricted to this rank's vocabulary.
+    exponentials, and the logit of the target, which lies in one rank's range. Backward needs no
+    communication: ``softmax - onehot(target)`` restricted to this rank's vocabulary.
     """
 
     @staticmethod
@@ -292,7 +175,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         softmax, mine, local = ctx.saved_tensors
-        onehot = torch.zeros_like(softmax).scatter_(-1, local.unsqueeze(-1), mine.unsqueeze(-1).to(softmax.dtype))
+        onehot = torch.zeros_like(softmax).scatter_(-1, local.unsqueeze(-1),
+                                                    mine.unsqueeze(-1).to(softmax.dtype))
         return (softmax - onehot) * grad.unsqueeze(-1), None, None, None
 
 
@@ -320,7 +204,8 @@ def _norm(cfg: GPTConfig, sequence_parallel: bool) -> nn.LayerNorm:
 
 
 class ParallelAttention(nn.Module):
-    """Causal attention with this rank's ``n_heads/tp`` query heads and the ``n_kv_heads/tp`` KV heads they use."""
+    """Causal attention with this rank's ``n_heads/tp`` query heads and the ``n_kv_heads/tp`` KV heads they
+    use."""
 
     def __init__(self, cfg: GPTConfig, tp: int, group=None, sequence_parallel=False):
         super().__init__()
@@ -335,8 +220,8 @@ class ParallelAttention(nn.Module):
         q = q.view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
         k = k.view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
         v = v.view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        group = self.n_heads // self.n_kv_heads
-        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        n_rep = self.n_heads // self.n_kv_heads  # query heads per KV head
+        k, v = k.repeat_interleave(n_rep, dim=1), v.repeat_interleave(n_rep, dim=1)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.o_proj(y.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim))
 
@@ -348,7 +233,8 @@ class ParallelMLP(nn.Module):
         super().__init__()
         self.gated = cfg.gated
         if cfg.gated:  # gate and up share the input: one weight, as Megatron's linear_fc1
-            self.gate_up_proj = ColumnParallelLinear(cfg.d_model, (cfg.d_ff, cfg.d_ff), tp, group, sequence_parallel)
+            self.gate_up_proj = ColumnParallelLinear(cfg.d_model, (cfg.d_ff, cfg.d_ff), tp, group,
+                                                     sequence_parallel)
         else:
             self.up_proj = ColumnParallelLinear(cfg.d_model, cfg.d_ff, tp, group, sequence_parallel)
         self.down_proj = RowParallelLinear(cfg.d_ff, cfg.d_model, tp, group, sequence_parallel)
@@ -376,19 +262,21 @@ class ParallelBlock(nn.Module):
 class TensorParallelGPT(nn.Module):
     """Rank ``rank``'s part of :class:`helpers.model.GPT` over a tensor-parallel group of ``tp`` ranks.
 
-    ``forward(idx, targets)`` returns this rank's slice of the logits (its vocabulary range, the whole sequence)
-    and the mean cross-entropy. With ``sequence_parallel`` the residual stream between the parallel layers holds
-    only this rank's ``seq_len/tp`` positions.
+    ``forward(idx, targets)`` returns this rank's slice of the logits (its vocabulary range, the whole
+    sequence) and the mean cross-entropy. With ``sequence_parallel`` the residual stream between the parallel
+    layers holds only this rank's ``seq_len/tp`` positions.
     """
 
     def __init__(self, cfg: GPTConfig, rank: int, tp: int, group=None, sequence_parallel: bool = False):
         super().__init__()
         check_layout(cfg, tp, sequence_parallel)
-        self.cfg, self.rank, self.tp, self.group, self.sequence_parallel = cfg, rank, tp, group, sequence_parallel
+        self.cfg, self.rank, self.tp = cfg, rank, tp
+        self.group, self.sequence_parallel = group, sequence_parallel
         self.tok_emb = VocabParallelEmbedding(cfg.vocab_size, cfg.d_model, rank, tp, group, sequence_parallel)
         self.pos_emb = nn.Embedding(cfg.seq_len, cfg.d_model)
         self.pos_emb.weight.sequence_parallel = sequence_parallel
-        self.blocks = nn.ModuleList(ParallelBlock(cfg, tp, group, sequence_parallel) for _ in range(cfg.n_layers))
+        self.blocks = nn.ModuleList(ParallelBlock(cfg, tp, group, sequence_parallel)
+                                    for _ in range(cfg.n_layers))
         self.ln_f = _norm(cfg, sequence_parallel)
         self.lm_head = ColumnParallelLinear(cfg.d_model, cfg.vocab_size, tp, group, sequence_parallel)
         if cfg.tie_embeddings:
@@ -404,7 +292,8 @@ class TensorParallelGPT(nn.Module):
         logits = self.lm_head(self.ln_f(x))
         if targets is None:
             return logits
-        return logits, vocab_parallel_cross_entropy(logits, targets, self.tok_emb.vocab_start, self.group).mean()
+        loss = vocab_parallel_cross_entropy(logits, targets, self.tok_emb.vocab_start, self.group)
+        return logits, loss.mean()
 
 
 def allreduce_sequence_parallel_grads(model: nn.Module, group=None) -> None:
@@ -444,7 +333,8 @@ def shard_plan(cfg: GPTConfig, tp: int) -> dict[str, tuple[int | None, tuple[tup
         plan[p + "attn.o_proj.weight"] = (1, ((p + "attn.o_proj.weight", cfg.n_heads * hd // tp),))
         f = cfg.d_ff // tp
         if cfg.gated:
-            plan[p + "mlp.gate_up_proj.weight"] = (0, ((p + "mlp.gate_proj.weight", f), (p + "mlp.up_proj.weight", f)))
+            plan[p + "mlp.gate_up_proj.weight"] = (0, ((p + "mlp.gate_proj.weight", f),
+                                                       (p + "mlp.up_proj.weight", f)))
         else:
             plan[p + "mlp.up_proj.weight"] = (0, ((p + "mlp.up_proj.weight", f),))
         plan[p + "mlp.down_proj.weight"] = (1, ((p + "mlp.down_proj.weight", f),))
@@ -504,9 +394,7 @@ def named_grads(model: nn.Module) -> dict[str, torch.Tensor]:
     return {name: p.grad.detach().clone() for name, p in model.named_parameters()}
 
 
-__all__ = ["copy_to_tensor_parallel_region", "reduce_from_tensor_parallel_region",
-           "gather_from_sequence_parallel_region", "reduce_scatter_to_sequence_parallel_region",
-           "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "vocab_parallel_cross_entropy",
-           "ParallelAttention", "ParallelMLP", "ParallelBlock", "TensorParallelGPT", "check_layout",
-           "allreduce_sequence_parallel_grads", "shard_plan", "shard_state", "unshard_state", "from_reference",
-           "named_grads"]
+__all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding",
+           "vocab_parallel_cross_entropy", "ParallelAttention", "ParallelMLP", "ParallelBlock",
+           "TensorParallelGPT", "check_layout", "allreduce_sequence_parallel_grads", "shard_plan",
+           "shard_state", "unshard_state", "from_reference", "named_grads"]
