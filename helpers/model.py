@@ -1,4 +1,4 @@
-"""The book's small GPT: the single-process reference that every chapter shards.
+"""The book's small GPT (chapter 01): the single-process reference that every chapter shards.
 
 A decoder-only transformer in plain PyTorch, in the shape vocabulary of chapter 01's calculator
 (``n_layers``, ``d_model``, ``n_heads``, ``n_kv_heads``, ``d_ff``, ``vocab_size``, ``seq_len``):
@@ -45,7 +45,7 @@ class GPTConfig:
             raise ValueError(f"n_heads={self.n_heads} must divide d_model={self.d_model}")
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"n_kv_heads={self.n_kv_heads} must divide n_heads={self.n_heads} "
-                             f"(each KV head serves a whole group of query heads)")
+                             f"(each KV head serves the same number of query heads)")
 
     @property
     def head_dim(self) -> int:
@@ -70,8 +70,8 @@ class Attention(nn.Module):
         q = self.q_proj(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        group = self.n_heads // self.n_kv_heads
-        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        n_rep = self.n_heads // self.n_kv_heads  # query heads per KV head
+        k, v = k.repeat_interleave(n_rep, dim=1), v.repeat_interleave(n_rep, dim=1)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.o_proj(y.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim))
 
@@ -124,7 +124,8 @@ class GPT(nn.Module):
         """
         t = idx.shape[1]
         if pos_offset + t > self.cfg.seq_len:
-            raise ValueError(f"positions {pos_offset}..{pos_offset + t - 1} exceed seq_len={self.cfg.seq_len}")
+            raise ValueError(f"positions {pos_offset}..{pos_offset + t - 1} exceed "
+                             f"seq_len={self.cfg.seq_len}")
         pos = torch.arange(pos_offset, pos_offset + t, device=idx.device)
         x = self.tok_emb(idx) + self.pos_emb(pos)
         for block in self.blocks:

@@ -1,11 +1,11 @@
-"""Context parallelism (chapter 07): layouts, the parts of each block ring attention computes, the online-softmax
-merge, the byte formulas, and one run on two ranks.
+"""Context parallelism (chapter 07): layouts, the parts of each block ring attention computes, the
+online-softmax merge (helpers.parallel.blockwise_attention), the byte formulas, and one run on two ranks.
 
-The layout, block, merge and formula tests run in this process. The distributed test starts two ranks, runs ring and
-Ulysses attention (forward and backward, causal and not, both layouts) on each, and compares what they return with
-PyTorch's single-process attention here, the FLOPs the ring really ran with the parts it should compute, the order
-of its transfers and computations, and the bytes: the ring's as counted by the ledger, Ulysses' from the
-all-to-alls torch ran.
+The layout, block, merge and formula tests run in this process. The distributed test starts two ranks, runs
+ring and Ulysses attention (forward and backward, causal and not, both layouts) on each, and compares what
+they return with PyTorch's single-process attention here, the FLOPs the ring really ran with the parts it
+should compute, the order of its transfers and computations, and the bytes: the ring's as counted by the
+ledger, Ulysses' from the all-to-alls torch ran.
 """
 
 import ipyparallel as ipp
@@ -14,8 +14,8 @@ import torch
 import torch.nn.functional as F
 
 from helpers import memory_budget, model_size
-from helpers.parallel import context_parallel
 from helpers.model import GPTConfig
+from helpers.parallel import blockwise_attention, context_parallel
 
 
 @pytest.mark.parametrize("seq_len, degree, kind, message", [
@@ -53,9 +53,10 @@ def _computed(layout, rank, causal=True):
     """Every (query, key) position pair ``rank`` computes, once per part that computes it."""
     pairs = []
     for owner in range(layout.cp):
-        for rows, cols in context_parallel.score_blocks(layout, rank, owner, causal):
-            part = [(p, k) for p in layout.positions(rank)[rows].tolist() for k in layout.positions(owner)[cols].tolist()]
-            assert any(k <= p for p, k in part) or not causal, f"rank {rank} computes a part entirely in the future"
+        for rows, cols in blockwise_attention.score_blocks(layout, rank, owner, causal):
+            part = [(p, k) for p in layout.positions(rank)[rows].tolist()
+                    for k in layout.positions(owner)[cols].tolist()]
+            assert any(k <= p for p, k in part) or not causal, f"rank {rank} computes a part in the future"
             pairs += part
     return pairs
 
@@ -76,18 +77,18 @@ def test_the_parts_computed_cover_every_pair_the_mask_keeps_once(kind, degree, c
 def test_zigzag_half_blocks_balance_the_work_and_the_other_ways_do_not(degree):
     s = 64
     half_block, even = (s // (2 * degree)) ** 2, s * (s + 1) / (2 * degree)
-    zigzag, contiguous = ([len(_computed(context_parallel.CPLayout(s, degree, kind), r)) for r in range(degree)]
-                          for kind in ("zigzag", "contiguous"))
+    zigzag, contiguous = ([len(_computed(context_parallel.CPLayout(s, degree, kind), r))
+                           for r in range(degree)] for kind in ("zigzag", "contiguous"))
     assert all(abs(n - even) <= half_block for n in zigzag), (zigzag, even, half_block)
     assert max(abs(n - even) for n in contiguous) > half_block
-    whole_blocks = degree * (s // degree) ** 2  # every block computed whole and masked: "balanced", and too much
+    whole_blocks = degree * (s // degree) ** 2  # every block computed whole, masked: "balanced", and too much
     assert whole_blocks - even > half_block
 
 
 def _reference(q, k, v, causal, upstream):
     q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
-    group_size = q.shape[1] // k.shape[1]
-    out = F.scaled_dot_product_attention(q, k.repeat_interleave(group_size, 1), v.repeat_interleave(group_size, 1),
+    n_rep = q.shape[1] // k.shape[1]
+    out = F.scaled_dot_product_attention(q, k.repeat_interleave(n_rep, 1), v.repeat_interleave(n_rep, 1),
                                          is_causal=causal)
     out.backward(upstream)
     return out.detach(), q.grad, k.grad, v.grad
@@ -110,13 +111,14 @@ def test_blocks_merged_by_log_sum_exp_equal_attention_over_all_keys(causal):
     ke, ve = k.repeat_interleave(2, 1), v.repeat_interleave(2, 1)
     blocks = [pos[8:], pos[:3], pos[3:8]]  # any order, the future first
     for keys in blocks:
-        out, lse = context_parallel.merge(out, lse, *context_parallel.block_attention(q, ke[:, :, keys], ve[:, :, keys], pos, keys, causal))
+        block = blockwise_attention.block_attention(q, ke[:, :, keys], ve[:, :, keys], pos, keys, causal)
+        out, lse = blockwise_attention.merge(out, lse, *block)
     torch.testing.assert_close(out, want_out, rtol=1e-12, atol=1e-13)
     delta = (upstream * out).sum(-1)
     dq = torch.zeros_like(q)
     for keys in blocks:
-        dq_block, dk, dv = context_parallel.block_attention_backward(upstream, delta, q, ke[:, :, keys], ve[:, :, keys], lse, pos,
-                                                       keys, causal)
+        dq_block, dk, dv = blockwise_attention.block_attention_backward(
+            upstream, delta, q, ke[:, :, keys], ve[:, :, keys], lse, pos, keys, causal)
         dq += dq_block
         torch.testing.assert_close(context_parallel._fold(dk, 2), want_dk[:, :, keys], rtol=1e-12, atol=1e-13)
         torch.testing.assert_close(context_parallel._fold(dv, 2), want_dv[:, :, keys], rtol=1e-12, atol=1e-13)
@@ -126,18 +128,21 @@ def test_blocks_merged_by_log_sum_exp_equal_attention_over_all_keys(causal):
 def test_a_merge_without_the_rescale_is_wrong():
     q, k, v, _ = _inputs()
     pos = torch.arange(12)
-    halves = [context_parallel.block_attention(q, k.repeat_interleave(2, 1)[:, :, p], v.repeat_interleave(2, 1)[:, :, p], pos, p,
-                                 False) for p in (pos[:6], pos[6:])]
+    ke, ve = k.repeat_interleave(2, 1), v.repeat_interleave(2, 1)
+    halves = [blockwise_attention.block_attention(q, ke[:, :, p], ve[:, :, p], pos, p, False)
+              for p in (pos[:6], pos[6:])]
     want = _reference(q, k, v, False, torch.zeros_like(q))[0]
     assert not torch.allclose(halves[0][0] + halves[1][0], want, rtol=1e-3)
-    torch.testing.assert_close(context_parallel.merge(*halves[0], *halves[1])[0], want, rtol=1e-12, atol=1e-13)
+    torch.testing.assert_close(blockwise_attention.merge(*halves[0], *halves[1])[0], want, rtol=1e-12,
+                               atol=1e-13)
 
 
 @pytest.mark.parametrize("degree", [2, 4, 8])
 def test_the_ring_formula_is_chapter_01s(degree):
     cfg = GPTConfig(vocab_size=16, seq_len=32, n_layers=2, d_model=64, n_heads=8, n_kv_heads=4, d_ff=256)
     shape = model_size.ModelShape.from_gpt(cfg)
-    step = memory_budget.budget(shape, model_size.Batch(32, 8, 8), memory_budget.Layout(cp=degree), precision=memory_budget.FP32, act=memory_budget.ActivationModel())
+    step = memory_budget.budget(shape, model_size.Batch(32, 8, 8), memory_budget.Layout(cp=degree),
+                                precision=memory_budget.FP32, act=memory_budget.ActivationModel())
     assert context_parallel.ring_bytes(8, 32, 4, 8, degree) == step.sent["cp"] / cfg.n_layers
 
 
@@ -159,7 +164,8 @@ def _attention_on_this_rank(q, k, v, upstream, kind, causal):
     layout = context_parallel.CPLayout(q.shape[2], dist.get_world_size(), kind)
     mine = layout.positions(rank)
     results = {}
-    for name, attention in (("ring", context_parallel.ring_attention), ("ulysses", context_parallel.ulysses_attention)):
+    for name, attention in (("ring", context_parallel.ring_attention),
+                            ("ulysses", context_parallel.ulysses_attention)):
         LEDGER.clear()
         context_parallel.EVENTS.clear()
         local = [t.index_select(2, mine).clone().requires_grad_() for t in (q, k, v)]
@@ -167,8 +173,8 @@ def _attention_on_this_rank(q, k, v, upstream, kind, causal):
             out = attention(*local, layout, causal)
             out.backward(upstream.index_select(2, mine))
         counted = sum(m.nbytes for m in LEDGER.messages if m.counted and m.direction == "send")
-        results[name] = ([out.detach()] + [t.grad for t in local], counted, ran.calls, flops.get_total_flops(),
-                         list(context_parallel.EVENTS))
+        results[name] = ([out.detach()] + [t.grad for t in local], counted, ran.calls,
+                         flops.get_total_flops(), list(context_parallel.EVENTS))
     return rank, mine, results
 
 
@@ -187,7 +193,7 @@ def test_two_ranks_match_the_single_process(ranks, kind, causal):
                 assert counted == context_parallel.ring_bytes(2, 12, 2, 8, 2, 8)
                 assert {op for op, *_ in calls} == {"send", "recv_"}
                 scores = sum((rows.stop - rows.start) * (cols.stop - cols.start) for owner in range(2)
-                             for rows, cols in context_parallel.score_blocks(layout, rank, owner, causal))
+                             for rows, cols in blockwise_attention.score_blocks(layout, rank, owner, causal))
                 assert flops == (4 + 10) * d * b * h * scores  # forward QKᵀ, PV; backward five products
                 t = {(what, step, event): when for what, step, event, when in events}
                 for what in ("forward", "backward"):  # the K/V transfer runs while step 0 is computed

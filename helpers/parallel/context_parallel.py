@@ -6,24 +6,26 @@ there are two ways to bring them together:
 
 - **Ring attention** (Liu et al. 2023): each rank keeps its queries and passes its key/value block around the
   ring, one step per rank; partial results are merged with the online-softmax rule (Milakov and Gimelshein
-  2018), as FlashAttention merges tiles (Dao et al. 2022). :class:`_RingAttention` writes the backward pass by
-  hand: the key/value blocks go round once more, and the gradients of each block travel with it until they
-  reach their owner.
-- **Ulysses** (Jacobs et al. 2023): an all-to-all turns sequence-sharded Q, K, V into head-sharded ones, each rank
-  computes whole attention for its heads over the whole sequence, and a second all-to-all turns the output
-  back. The head count bounds its degree.
+  2018), as FlashAttention merges tiles (Dao et al. 2022). The arithmetic of one step, a block of attention,
+  the merge and a block's backward, is in :mod:`helpers.parallel.blockwise_attention`. :class:`_RingAttention`
+  writes the backward pass by hand: the key/value blocks go round once more, and the gradients of each block
+  travel with it until they reach their owner.
+- **Ulysses** (Jacobs et al. 2023): an all-to-all turns sequence-sharded Q, K, V into head-sharded ones, each
+  rank computes whole attention for its heads over the whole sequence, and a second all-to-all turns the
+  output back. The head count bounds its degree.
 
 Under causal masking the contiguous layout gives the last rank about ``2cp - 1`` times the first's work;
-:class:`CPLayout` also provides the zig-zag layout (each rank holds one chunk from the front and the mirrored one
-from the back) that evens it out, provided each ring step computes only the half-blocks :func:`score_blocks`
-names: a block computed whole and then masked costs as much as an unmasked one. Each ring step posts the next
-block's transfer before it computes and waits after (:class:`RingTransfer`); :data:`EVENTS` records the order.
-:func:`cp_gpt_forward` runs the book's GPT on one rank's tokens with either attention plugged in.
+:class:`CPLayout` also provides the zig-zag layout (each rank holds one chunk from the front and the mirrored
+one from the back) that evens it out, provided each ring step computes only the half-blocks
+:func:`~helpers.parallel.blockwise_attention.score_blocks` names: a block computed whole and then masked costs
+as much as an unmasked one. Each ring step posts the next block's transfer before it computes and waits after
+(:class:`RingTransfer`); :data:`EVENTS` records the order. :func:`cp_gpt_forward` runs the book's GPT on one
+rank's tokens with either attention plugged in.
 
-Ring messages are *counted* in chapter 02's ledger, one :class:`~helpers.parallel.ledger.Message` per tensor sent or
-received. The all-to-alls are torch collectives, *booked* with :meth:`~helpers.parallel.ledger.Ledger.record` (the
-formula's bytes for the buffer passed); :class:`TorchCollectives` sees which torch collectives really ran, on
-which group, with which sizes.
+Ring messages are *counted* in chapter 02's ledger, one :class:`~helpers.parallel.ledger.Message` per tensor
+sent or received. The all-to-alls are torch collectives, *booked* with
+:meth:`~helpers.parallel.ledger.Ledger.record` (the formula's bytes for the buffer passed);
+:class:`TorchCollectives` sees which torch collectives really ran, on which group, with which sizes.
 """
 
 from __future__ import annotations
@@ -38,8 +40,10 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from helpers import layout_rules
-from helpers.parallel.ledger import LEDGER, Message
 from helpers.model import cross_entropy
+from helpers.parallel.blockwise_attention import (block_attention, block_attention_backward, merge,
+                                                  score_blocks)
+from helpers.parallel.ledger import LEDGER, Message
 
 HEAD_DIM, SEQ_DIM = 1, 2  # q, k, v are (batch, heads, sequence, head_dim), as F.scaled_dot_product_attention
 
@@ -53,10 +57,10 @@ HEAD_DIM, SEQ_DIM = 1, 2  # q, k, v are (batch, heads, sequence, head_dim), as F
 class CPLayout:
     """How a sequence of ``seq_len`` tokens is split over ``cp`` ranks.
 
-    ``"contiguous"``: rank ``r`` holds positions ``r·s/cp … (r+1)·s/cp``. ``"zigzag"``: the sequence is cut into
-    ``2·cp`` chunks and rank ``r`` holds chunks ``r`` and ``2·cp-1-r``, one early and one late, so that under a
-    causal mask every rank scores the same number of pairs (the load-balanced layout of Megatron-LM's context
-    parallelism and of Llama 3's training).
+    ``"contiguous"``: rank ``r`` holds positions ``r·s/cp … (r+1)·s/cp``. ``"zigzag"``: the sequence is cut
+    into ``2·cp`` chunks and rank ``r`` holds chunks ``r`` and ``2·cp-1-r``, one early and one late, so that
+    under a causal mask every rank scores the same number of pairs (the load-balanced layout of Megatron-LM's
+    context parallelism and of Llama 3's training).
     """
 
     seq_len: int
@@ -89,62 +93,19 @@ def check_heads(n_heads: int, n_kv_heads: int, cp: int) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------------
-# One block of attention, and the online-softmax merge
+# GQA: each KV head serves n_rep query heads
 # ---------------------------------------------------------------------------------------------------------
 
 
-def _expand(kv: torch.Tensor, group_size: int) -> torch.Tensor:
-    """GQA: each KV head serves ``group_size`` consecutive query heads."""
-    return kv.repeat_interleave(group_size, dim=HEAD_DIM)
+def _expand(kv: torch.Tensor, n_rep: int) -> torch.Tensor:
+    """GQA: each KV head serves ``n_rep`` consecutive query heads."""
+    return kv.repeat_interleave(n_rep, dim=HEAD_DIM)
 
 
-def _fold(grad: torch.Tensor, group_size: int) -> torch.Tensor:
+def _fold(grad: torch.Tensor, n_rep: int) -> torch.Tensor:
     """The gradient of :func:`_expand`: sum over the query heads that shared a KV head."""
     b, h, s, d = grad.shape
-    return grad.view(b, h // group_size, group_size, s, d).sum(2)
-
-
-def _scores(q, k, q_pos, k_pos, causal):
-    scores = (q @ k.transpose(-2, -1)) * q.shape[-1] ** -0.5
-    if causal:
-        scores = scores.masked_fill(k_pos[None, :] > q_pos[:, None], float("-inf"))
-    return scores
-
-
-def block_attention(q, k, v, q_pos, k_pos, causal: bool):
-    """Softmax attention of queries ``q`` over one block of keys: the block's output and log-sum-exp per row.
-
-    A row that sees no key of the block (causal) gets output 0 and log-sum-exp ``-inf``: it weighs nothing in
-    the merge.
-    """
-    scores = _scores(q, k, q_pos, k_pos, causal)
-    lse = torch.logsumexp(scores, dim=-1)
-    p = torch.exp(scores - lse.masked_fill(lse == float("-inf"), 0).unsqueeze(-1))
-    return p @ v, lse
-
-
-def merge(out, lse, block_out, block_lse):
-    """The online-softmax merge (Milakov and Gimelshein 2018) of two partial results over disjoint keys.
-
-    Each is normalized over its own keys; the merged log-sum-exp is ``log(e^lse + e^block_lse)`` and each part is
-    reweighted by its share of it.
-    """
-    new = torch.logaddexp(lse, block_lse)
-    safe = new.masked_fill(new == float("-inf"), 0)  # a row with no key yet stays 0
-    return out * torch.exp(lse - safe).unsqueeze(-1) + block_out * torch.exp(block_lse - safe).unsqueeze(-1), new
-
-
-def block_attention_backward(dout, delta, q, k, v, lse, q_pos, k_pos, causal: bool):
-    """Gradients of one block, given the final output's ``lse`` and ``delta = rowsum(dout · out)``.
-
-    With ``P = exp(S - lse)`` the block's share of the final softmax (Dao et al. 2022, algorithm 2):
-    ``dV = Pᵀ dO``, ``dS = P ⊙ (dO Vᵀ - delta)``, ``dQ = dS K / √d``, ``dK = dSᵀ Q / √d``.
-    """
-    scale = q.shape[-1] ** -0.5
-    p = torch.exp(_scores(q, k, q_pos, k_pos, causal) - lse.unsqueeze(-1))
-    dv = p.transpose(-2, -1) @ dout
-    ds = p * (dout @ v.transpose(-2, -1) - delta.unsqueeze(-1))
-    return ds @ k * scale, ds.transpose(-2, -1) @ q * scale, dv
+    return grad.view(b, h // n_rep, n_rep, s, d).sum(2)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -152,30 +113,10 @@ def block_attention_backward(dout, delta, q, k, v, lse, q_pos, k_pos, causal: bo
 # ---------------------------------------------------------------------------------------------------------
 
 
-def score_blocks(layout: CPLayout, rank: int, owner: int, causal: bool):
-    """The parts of ``rank``'s queries × ``owner``'s keys that ring attention computes: (query rows, key columns).
-
-    Without a mask, the whole block. With the causal mask, every part that holds a key some query sees, in halves
-    of the local block, as Transformer Engine, Megatron-LM and ring-flash-attn split the zig-zag ring; a part
-    entirely in its queries' future is skipped, not computed and masked.
-    """
-    n = len(layout.positions(rank))
-    whole, first, second = slice(0, n), slice(0, n // 2), slice(n // 2, n)
-    if not causal:
-        return [(whole, whole)]
-    if owner == rank:  # the diagonal: the first half of the queries sees none of the second half of the keys
-        return [(first, first), (second, whole)]
-    if layout.kind == "contiguous":  # an earlier rank's keys are all in the past, a later rank's all in the future
-        return [(whole, whole)] if owner < rank else []
-    # zig-zag: an earlier rank's early chunk is in the past of both my chunks and its late chunk in their future;
-    # a later rank's whole block is in the future of my early chunk and in the past of my late one
-    return [(whole, first)] if owner < rank else [(second, whole)]
-
-
 EVENTS: list[tuple[str, int, str, float]] = []
-"""This rank's ring, in order: ``(what, step, event, time.perf_counter())``; ``what`` is a transfer ("forward K/V",
-"backward K/V", "backward dK/dV") with events "posted" and "arrived", or a pass ("forward", "backward") with
-events "compute" and "computed"."""
+"""This rank's ring, in order: ``(what, step, event, time.perf_counter())``; ``what`` is a transfer
+("forward K/V", "backward K/V", "backward dK/dV") with events "posted" and "arrived", or a pass ("forward",
+"backward") with events "compute" and "computed"."""
 
 
 @contextlib.contextmanager
@@ -188,8 +129,8 @@ def _computing(what: str, step: int):
 class RingTransfer:
     """One ring step in flight: ``t`` sent to the right neighbour, the left neighbour's block received.
 
-    Both messages are posted at once (``batch_isend_irecv``, so no rank waits for another to post) and counted in
-    chapter 02's ledger; :meth:`wait` returns the received block. Posting the next block's transfer before
+    Both messages are posted at once (``batch_isend_irecv``, so no rank waits for another to post) and counted
+    in chapter 02's ledger; :meth:`wait` returns the received block. Posting the next block's transfer before
     computing the current one, and waiting after, is the double buffering that lets the transfer run while the
     rank computes (Liu et al. 2023).
     """
@@ -213,8 +154,8 @@ class RingTransfer:
                 for work in self.works:
                     work.wait()
             except RuntimeError as err:
-                raise RuntimeError(f"{self.what}, step {self.step}: the transfer (send to {self.right}, receive "
-                                   f"from {self.left}) did not complete: {err}") from None
+                raise RuntimeError(f"{self.what}, step {self.step}: the transfer (send to {self.right}, "
+                                   f"receive from {self.left}) did not complete: {err}") from None
             self.works = []
             EVENTS.append((self.what, self.step, "arrived", time.perf_counter()))
         return self.received
@@ -228,20 +169,21 @@ class _RingAttention(torch.autograd.Function):
     """Ring attention (Liu et al. 2023), forward and backward by hand, each transfer overlapped with a block.
 
     Forward: ``cp`` steps; at each, post the transfer of the K/V block this rank holds to the right, score its
-    queries against that block (only the parts :func:`score_blocks` names), merge with the online-softmax rule,
-    then wait for the left neighbour's block. Only ``q``, the local ``k``, ``v``, the output and its log-sum-exp
-    are saved: the blocks that went by are not kept.
+    queries against that block (only the parts :func:`score_blocks` names), merge with the online-softmax
+    rule, then wait for the left neighbour's block. Only ``q``, the local ``k``, ``v``, the output and its
+    log-sum-exp are saved: the blocks that went by are not kept.
 
-    Backward: the K/V blocks go round again, posted as in forward. At step ``j`` a rank computes its term of the
-    gradient of the block it holds (that of rank ``r-j``); the block's gradient so far arrives from the left, gets
-    this term, and moves right while the next block is computed, so after ``cp-1`` passes it lands on its owner,
-    who adds its own. Per rank: ``cp-1`` K/V messages forward, ``cp-1`` K/V and ``cp-1`` dK/dV messages backward.
+    Backward: the K/V blocks go round again, posted as in forward. At step ``j`` a rank computes its term of
+    the gradient of the block it holds (that of rank ``r-j``); the block's gradient so far arrives from the
+    left, gets this term, and moves right while the next block is computed, so after ``cp-1`` passes it lands
+    on its owner, who adds its own. Per rank: ``cp-1`` K/V messages forward, ``cp-1`` K/V and ``cp-1`` dK/dV
+    messages backward.
     """
 
     @staticmethod
     def forward(ctx, q, k, v, layout, causal, group):
         rank, world_size = dist.get_rank(group), dist.get_world_size(group)
-        group_size = q.shape[HEAD_DIM] // k.shape[HEAD_DIM]
+        n_rep = q.shape[HEAD_DIM] // k.shape[HEAD_DIM]
         q_pos = layout.positions(rank)
         out = torch.zeros_like(q)
         lse = torch.full(q.shape[:-1], float("-inf"), dtype=q.dtype)
@@ -252,7 +194,7 @@ class _RingAttention(torch.autograd.Function):
             k_pos = layout.positions(owner)
             with _computing("forward", step):
                 for rows, cols in score_blocks(layout, rank, owner, causal):
-                    keys, values = (_expand(t, group_size) for t in kv[..., cols, :])
+                    keys, values = (_expand(t, n_rep) for t in kv[..., cols, :])
                     block = block_attention(q[..., rows, :], keys, values, q_pos[rows], k_pos[cols], causal)
                     out[..., rows, :], lse[..., rows] = merge(out[..., rows, :], lse[..., rows], *block)
             if incoming is not None:
@@ -266,7 +208,7 @@ class _RingAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         layout, causal, group = ctx.layout, ctx.causal, ctx.group
         rank, world_size = dist.get_rank(group), dist.get_world_size(group)
-        group_size = q.shape[HEAD_DIM] // k.shape[HEAD_DIM]
+        n_rep = q.shape[HEAD_DIM] // k.shape[HEAD_DIM]
         q_pos = layout.positions(rank)
         delta = (dout * out).sum(-1)
         dq = torch.zeros_like(q)
@@ -279,15 +221,15 @@ class _RingAttention(torch.autograd.Function):
             dkv = torch.zeros_like(kv)
             with _computing("backward", step):
                 for rows, cols in score_blocks(layout, rank, owner, causal):
-                    keys, values = (_expand(t, group_size) for t in kv[..., cols, :])
-                    dq_part, dk, dv = block_attention_backward(dout[..., rows, :], delta[..., rows], q[..., rows, :],
-                                                               keys, values, lse[..., rows], q_pos[rows],
-                                                               k_pos[cols], causal)
+                    keys, values = (_expand(t, n_rep) for t in kv[..., cols, :])
+                    dq_part, dk, dv = block_attention_backward(dout[..., rows, :], delta[..., rows],
+                                                               q[..., rows, :], keys, values, lse[..., rows],
+                                                               q_pos[rows], k_pos[cols], causal)
                     dq[..., rows, :] += dq_part
-                    dkv[..., cols, :] += torch.stack([_fold(dk, group_size), _fold(dv, group_size)])
+                    dkv[..., cols, :] += torch.stack([_fold(dk, n_rep), _fold(dv, n_rep)])
             if step == 0:
                 own = dkv  # this rank's term of its own block's gradient: it stays here
-            else:  # the block's gradient so far arrived from the left; with this rank's term it moves on, tag 1
+            else:  # the block's gradient so far came from the left; with this rank's term it moves on, tag 1
                 so_far = travelling.wait() if travelling is not None else 0
                 travelling = RingTransfer(so_far + dkv, "backward dK/dV", step, group, tag=1)
             if incoming is not None:
@@ -303,7 +245,8 @@ def ring_attention(q, k, v, layout: CPLayout, causal: bool = True, group=None) -
     positions ``layout.positions(rank)``.
     """
     if layout.cp != dist.get_world_size(group):
-        raise ValueError(f"the layout is for cp={layout.cp} ranks, the group has {dist.get_world_size(group)}")
+        raise ValueError(f"the layout is for cp={layout.cp} ranks, the group has "
+                         f"{dist.get_world_size(group)}")
     return _RingAttention.apply(q, k, v, layout, causal, group)
 
 
@@ -326,8 +269,8 @@ def all_to_all(x: torch.Tensor, scatter_dim: int, gather_dim: int, group=None) -
 class _AllToAll(torch.autograd.Function):
     """Ulysses' all-to-all (Jacobs et al. 2023): sharded along ``gather_dim`` in, along ``scatter_dim`` out.
 
-    Forward with (heads, sequence) turns sequence-sharded Q, K, V into head-sharded ones; with (sequence, heads)
-    it turns the output back. Backward is the inverse all-to-all.
+    Forward with (heads, sequence) turns sequence-sharded Q, K, V into head-sharded ones; with (sequence,
+    heads) it turns the output back. Backward is the inverse all-to-all.
     """
 
     @staticmethod
@@ -344,16 +287,16 @@ class _AllToAll(torch.autograd.Function):
 def ulysses_attention(q, k, v, layout: CPLayout, causal: bool = True, group=None) -> torch.Tensor:
     """This rank's attention output for its positions, computed head by head over the whole sequence.
 
-    After the first all-to-all a rank holds ``n_heads/cp`` query heads and their ``n_kv_heads/cp`` KV heads for
-    every position, in the order of the ranks' positions; attention on them is ordinary attention.
+    After the first all-to-all a rank holds ``n_heads/cp`` query heads and their ``n_kv_heads/cp`` KV heads
+    for every position, in the order of the ranks' positions; attention on them is ordinary attention.
     """
     world_size = dist.get_world_size(group)
     if layout.cp != world_size:
         raise ValueError(f"the layout is for cp={layout.cp} ranks, the group has {world_size}")
     check_heads(q.shape[HEAD_DIM], k.shape[HEAD_DIM], world_size)
     q, k, v = (_AllToAll.apply(t, HEAD_DIM, SEQ_DIM, group) for t in (q, k, v))
-    group_size = q.shape[HEAD_DIM] // k.shape[HEAD_DIM]
-    k, v = _expand(k, group_size), _expand(v, group_size)
+    n_rep = q.shape[HEAD_DIM] // k.shape[HEAD_DIM]
+    k, v = _expand(k, n_rep), _expand(v, n_rep)
     if causal and layout.kind != "contiguous":  # the gathered positions are not in order: mask by position
         pos = torch.cat([layout.positions(r) for r in range(world_size)])
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=pos[None, :] <= pos[:, None])
@@ -379,8 +322,8 @@ class TorchCollectives(TorchDispatchMode):
         if func.namespace == "c10d":
             flat = [a for arg in args for a in (arg if isinstance(arg, (list, tuple)) else [arg])]
             tensors = [a for a in flat if isinstance(a, torch.Tensor)]
-            groups = [dist.ProcessGroup.unbox(a) for a in flat
-                      if isinstance(a, torch.ScriptObject) and a._type().qualified_name().endswith("ProcessGroup")]
+            groups = [dist.ProcessGroup.unbox(a) for a in flat if isinstance(a, torch.ScriptObject)
+                      and a._type().qualified_name().endswith("ProcessGroup")]
             ranks = tuple(dist.get_process_group_ranks(groups[0])) if groups else ()
             self.calls.append((func.overloadpacket.__name__, ranks, tuple(t.numel() for t in tensors),
                                tensors[0].element_size() if tensors else 0))
@@ -425,8 +368,8 @@ def _attention(attn, x, core):
 def cp_gpt_forward(model, idx, targets, positions, core):
     """The book's GPT on this rank's tokens ``idx`` at global ``positions``: logits and this rank's mean loss.
 
-    Weights are whole on every rank; only attention talks to the other ranks, through ``core``. The loss is the
-    mean over this rank's tokens: averaging the ranks' gradients (every rank has as many tokens) gives the
+    Weights are whole on every rank; only attention talks to the other ranks, through ``core``. The loss is
+    the mean over this rank's tokens: averaging the ranks' gradients (every rank has as many tokens) gives the
     gradient of the mean over the whole sequence.
     """
     x = model.tok_emb(idx) + model.pos_emb(positions)

@@ -1,0 +1,95 @@
+"""Attention one block of keys at a time (chapter 07): what each step of ring attention computes.
+
+Ring attention (Liu et al. 2023) scores a rank's queries against one block of keys per step and never holds
+the whole sequence's scores. This module is that arithmetic, on one process and with no communication:
+
+- :func:`block_attention`: softmax attention over one block of keys, normalized over that block, with its
+  log-sum-exp per query;
+- :func:`merge`: the online-softmax rule (Milakov and Gimelshein 2018) that combines two such partial results
+  over disjoint keys into the result over both, as FlashAttention merges tiles (Dao et al. 2022);
+- :func:`block_attention_backward`: one block's gradients, recomputed from the final output's log-sum-exp
+  (Dao et al. 2022, algorithm 2), so that backward keeps no block's probabilities;
+- :func:`score_blocks`: which parts of a block a causal ring computes, in halves of the local block, so that
+  a part entirely in its queries' future is skipped rather than computed and masked.
+
+The ring itself, the layouts and Ulysses are in :mod:`helpers.parallel.context_parallel`. Tensors are
+(batch, heads, positions, head_dim), as ``F.scaled_dot_product_attention`` takes them; ``q_pos`` and
+``k_pos`` are the global positions of the queries and keys, which the causal mask compares.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from helpers.parallel.context_parallel import CPLayout
+
+
+def _scores(q, k, q_pos, k_pos, causal):
+    scores = (q @ k.transpose(-2, -1)) * q.shape[-1] ** -0.5
+    if causal:
+        scores = scores.masked_fill(k_pos[None, :] > q_pos[:, None], float("-inf"))
+    return scores
+
+
+def block_attention(q, k, v, q_pos, k_pos, causal: bool):
+    """Softmax attention of queries ``q`` over one block of keys: the block's output and log-sum-exp per row.
+
+    A row that sees no key of the block (causal) gets output 0 and log-sum-exp ``-inf``: it weighs nothing in
+    the merge.
+    """
+    scores = _scores(q, k, q_pos, k_pos, causal)
+    lse = torch.logsumexp(scores, dim=-1)
+    p = torch.exp(scores - lse.masked_fill(lse == float("-inf"), 0).unsqueeze(-1))
+    return p @ v, lse
+
+
+def merge(out, lse, block_out, block_lse):
+    """The online-softmax merge (Milakov and Gimelshein 2018) of two partial results over disjoint keys.
+
+    Each is normalized over its own keys; the merged log-sum-exp is ``log(e^lse + e^block_lse)`` and each part
+    is reweighted by its share of it.
+    """
+    new = torch.logaddexp(lse, block_lse)
+    safe = new.masked_fill(new == float("-inf"), 0)  # a row with no key yet stays 0
+    merged = out * torch.exp(lse - safe).unsqueeze(-1) + block_out * torch.exp(block_lse - safe).unsqueeze(-1)
+    return merged, new
+
+
+def block_attention_backward(dout, delta, q, k, v, lse, q_pos, k_pos, causal: bool):
+    """Gradients of one block, given the final output's ``lse`` and ``delta = rowsum(dout · out)``.
+
+    With ``P = exp(S - lse)`` the block's share of the final softmax (Dao et al. 2022, algorithm 2):
+    ``dV = Pᵀ dO``, ``dS = P ⊙ (dO Vᵀ - delta)``, ``dQ = dS K / √d``, ``dK = dSᵀ Q / √d``.
+    """
+    scale = q.shape[-1] ** -0.5
+    p = torch.exp(_scores(q, k, q_pos, k_pos, causal) - lse.unsqueeze(-1))
+    dv = p.transpose(-2, -1) @ dout
+    ds = p * (dout @ v.transpose(-2, -1) - delta.unsqueeze(-1))
+    return ds @ k * scale, ds.transpose(-2, -1) @ q * scale, dv
+
+
+def score_blocks(layout: CPLayout, rank: int, owner: int, causal: bool):
+    """The parts of ``rank``'s queries × ``owner``'s keys that ring attention computes: (query rows, key
+    columns), as slices of the two ranks' blocks.
+
+    Without a mask, the whole block. With the causal mask, every part that holds a key some query sees, in
+    halves of the local block, as Transformer Engine, Megatron-LM and ring-flash-attn split the zig-zag ring;
+    a part entirely in its queries' future is skipped, not computed and masked.
+    """
+    n = len(layout.positions(rank))
+    whole, first, second = slice(0, n), slice(0, n // 2), slice(n // 2, n)
+    if not causal:
+        return [(whole, whole)]
+    if owner == rank:  # the diagonal: the queries' first half sees none of the keys' second half
+        return [(first, first), (second, whole)]
+    if layout.kind == "contiguous":  # an earlier rank's keys are all past, a later rank's all future
+        return [(whole, whole)] if owner < rank else []
+    # zig-zag: an earlier rank's early chunk is in the past of both my chunks and its late chunk in their
+    # future; a later rank's whole block is in the future of my early chunk and in the past of my late one
+    return [(whole, first)] if owner < rank else [(second, whole)]
+
+
+__all__ = ["block_attention", "merge", "block_attention_backward", "score_blocks"]
