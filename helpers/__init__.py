@@ -1,7 +1,33 @@
 """The book's code: the harness every chapter uses and what every chapter builds on, at this level;
 ``parallel/`` (what talks between ranks, chapters 02-08), ``training/`` (chapters 09 and 11-15) and ``tools/``
-(what only ``make`` runs) below it."""
+(what only ``make`` runs) below it.
+
+:data:`CHAPTERS` is the chapter -> module index (d2l's "defined in" back-link): for each published chapter,
+the modules whose code it teaches, with ``show_source`` on its page. Each of those modules names its chapter
+in its docstring ("(chapter 05)"). :data:`HARNESS` lists the modules every chapter uses and no one chapter
+teaches. A new chapter's modules go to ``training/`` (chapters 09 and 11-15) or to ``parallel/`` (chapter 10,
+which combines the parallelisms of 03-08), and into this index when the chapter joins ``_toc.yml``;
+``tests/test_layout.py`` fails when a chapter, a module or its docstring's chapter is missing here, or when a
+module file is in neither list.
+"""
 
 import os
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository, defined here only
+
+# chapter number -> the modules it teaches, dotted names, in the order the chapter shows them
+CHAPTERS = {
+    "00": (),  # the harness itself, at work: ranks, dist, checks, tools.px_script
+    "01": ("helpers.model_size", "helpers.memory_budget", "helpers.time_model", "helpers.layout_rules"),
+    "02": ("helpers.parallel.ledger", "helpers.parallel.collectives", "helpers.parallel.collective_costs"),
+    "03": ("helpers.parallel.data_parallel",),
+    "04": ("helpers.parallel.zero",),
+    "05": ("helpers.parallel.tensor_parallel_comms", "helpers.parallel.tensor_parallel"),
+    "06": ("helpers.parallel.pipeline_schedules", "helpers.parallel.pipeline_parallel"),
+    "07": ("helpers.parallel.blockwise_attention", "helpers.parallel.context_parallel"),
+    "08": ("helpers.parallel.moe", "helpers.parallel.expert_parallel"),
+}
+
+# what every chapter uses and none teaches: ranks, checks, what a page shows, the reference model and data
+HARNESS = ("helpers.ranks", "helpers.dist", "helpers.checks", "helpers.errors", "helpers.exercises",
+           "helpers.show", "helpers.measure", "helpers.model", "helpers.data")
