@@ -1,12 +1,12 @@
-"""Pipeline parallelism (chapter 06): schedules, their validation and simulation, the model's chunks, and one small
-run of each schedule on two ranks.
+"""Pipeline parallelism (chapter 06): schedules, their validation and simulation, the model's chunks, and one
+small run of each schedule on two ranks.
 
-The schedule tests run in this process, in exact fractions: the simulator reproduces every bubble and peak-memory
-formula, and a broken schedule raises a ScheduleError naming the rank, the action and the micro-batch. The split
-backward (I, then W) is checked against the whole backward in this process: the same gradients, and between them
-exactly its FLOPs. The distributed test starts two ranks, runs each schedule on a small GPT, and compares the
-gradients with the single process here, and the activations each rank kept, measured by saved-tensor hooks, with
-the formulas.
+The schedule tests run in this process, in exact fractions: the simulator reproduces every bubble and
+peak-memory formula, and a broken schedule raises a ScheduleError naming the rank, the action and the
+micro-batch. The split backward (I, then W) is checked against the whole backward in this process: the same
+gradients, and between them exactly its FLOPs. The distributed test starts two ranks, runs each schedule on a
+small GPT, and compares the gradients with the single process here, and the activations each rank kept,
+measured by saved-tensor hooks, with the formulas.
 """
 
 from dataclasses import replace
@@ -28,7 +28,8 @@ SIZES = [(2, 2), (2, 6), (3, 3), (3, 9), (4, 8), (4, 12), (8, 16), (8, 24)]
 
 
 def all_schedules(p, m):
-    out = [pipeline_schedules.gpipe(p, m), pipeline_schedules.one_f_one_b(p, m), pipeline_schedules.zb_h1(p, m)]
+    out = [pipeline_schedules.gpipe(p, m), pipeline_schedules.one_f_one_b(p, m),
+           pipeline_schedules.zb_h1(p, m)]
     if m % p == 0:
         out += [pipeline_schedules.interleaved_1f1b(p, m, 2), pipeline_schedules.interleaved_1f1b(p, m, 3)]
     return out
@@ -46,40 +47,49 @@ def test_the_simulated_bubble_is_the_papers_formula_exactly(p, m):
 def test_peak_micro_batches_kept_follow_the_formula(p, m):
     for s in all_schedules(p, m):
         v = len(s.chunks_of(0))
-        assert pipeline_schedules.peak_alive(s) == [pipeline_schedules.peak_alive_formula(s.name, p, m, r, v) for r in range(p)], s.name
+        want = [pipeline_schedules.peak_alive_formula(s.name, p, m, r, v) for r in range(p)]
+        assert pipeline_schedules.peak_alive(s) == want, s.name
 
 
 def test_zb_h1_has_a_third_of_the_1f1b_bubble_when_f_i_w_are_equal():
-    one_f, zb = pipeline_schedules.simulate(pipeline_schedules.one_f_one_b(4, 8)), pipeline_schedules.simulate(pipeline_schedules.zb_h1(4, 8))
+    one_f = pipeline_schedules.simulate(pipeline_schedules.one_f_one_b(4, 8))
+    zb = pipeline_schedules.simulate(pipeline_schedules.zb_h1(4, 8))
     assert pipeline_schedules.bubble_fraction(zb)[0] == pipeline_schedules.bubble_fraction(one_f)[0] / 3
-    assert pipeline_schedules.makespan(zb) == pipeline_schedules.makespan(one_f) - Fraction(6)  # (p-1)(F+B+W) - (p-1)(F+B-W) = 2(p-1)W
+    # (p-1)(F+B+W) - (p-1)(F+B-W) = 2(p-1)W
+    assert pipeline_schedules.makespan(zb) == pipeline_schedules.makespan(one_f) - Fraction(6)
 
 
 def test_the_simulator_adds_the_latency_of_each_message():
-    s = pipeline_schedules.gpipe(2, 1)  # F on rank 0, F on rank 1, B on rank 1, B on rank 0: two messages on the critical path
-    assert pipeline_schedules.makespan(pipeline_schedules.simulate(s, comm=Fraction(1, 2))) == pipeline_schedules.makespan(pipeline_schedules.simulate(s)) + 1
+    # F on rank 0, F on rank 1, B on rank 1, B on rank 0: two messages on the critical path
+    s = pipeline_schedules.gpipe(2, 1)
+    with_latency = pipeline_schedules.simulate(s, comm=Fraction(1, 2))
+    without = pipeline_schedules.simulate(s)
+    assert pipeline_schedules.makespan(with_latency) == pipeline_schedules.makespan(without) + 1
 
 
 def _with_rank(s, rank, actions):
-    return pipeline_schedules.Schedule(s.name, s.p, s.m, s.placement, s.actions[:rank] + (tuple(actions),) + s.actions[rank + 1:])
+    return pipeline_schedules.Schedule(s.name, s.p, s.m, s.placement,
+                                       s.actions[:rank] + (tuple(actions),) + s.actions[rank + 1:])
 
 
 def test_a_backward_before_its_forward_names_the_rank_action_and_micro_batch():
     s = pipeline_schedules.one_f_one_b(4, 8)
     acts = list(s.actions[2])
     acts[0], acts[2] = acts[2], acts[0]  # rank 2: B0 first
-    with pytest.raises(pipeline_schedules.ScheduleError, match="wrong order on rank 2: action 0, the backward of micro-batch 0"):
+    with pytest.raises(pipeline_schedules.ScheduleError,
+                       match="wrong order on rank 2: action 0, the backward of micro-batch 0"):
         pipeline_schedules.validate(_with_rank(s, 2, acts))
 
 
 def test_a_deadlock_names_every_stuck_rank():
     # rank 0 waits for micro-batch 0's gradient before sending micro-batch 1; rank 1 wants micro-batch 1 first
-    swapped = pipeline_schedules.Schedule("x", 2, 2, (0, 1), ((pipeline_schedules.Action("F", 0, 0), pipeline_schedules.Action("B", 0, 0), pipeline_schedules.Action("F", 0, 1),
-                                              pipeline_schedules.Action("B", 0, 1)),
-                                             (pipeline_schedules.Action("F", 1, 1), pipeline_schedules.Action("B", 1, 1), pipeline_schedules.Action("F", 1, 0),
-                                              pipeline_schedules.Action("B", 1, 0))))
-    with pytest.raises(pipeline_schedules.ScheduleError, match=r"deadlock: rank 0 at action 1 \(backward of micro-batch 0 on chunk 0\)"
-                                              r".*rank 1 at action 0 \(forward of micro-batch 1 on chunk 1\)"):
+    Action = pipeline_schedules.Action
+    swapped = pipeline_schedules.Schedule("x", 2, 2, (0, 1), (
+        (Action("F", 0, 0), Action("B", 0, 0), Action("F", 0, 1), Action("B", 0, 1)),
+        (Action("F", 1, 1), Action("B", 1, 1), Action("F", 1, 0), Action("B", 1, 0))))
+    with pytest.raises(pipeline_schedules.ScheduleError,
+                       match=r"deadlock: rank 0 at action 1 \(backward of micro-batch 0 on chunk 0\)"
+                             r".*rank 1 at action 0 \(forward of micro-batch 1 on chunk 1\)"):
         pipeline_schedules.validate(swapped)
 
 
@@ -129,10 +139,11 @@ def test_the_chunks_in_a_row_are_the_reference_bit_for_bit(n_chunks):
 
 
 def test_the_formula_for_bytes_counts_the_boundaries_between_ranks():
-    assert pipeline_parallel.expected_p2p_bytes(pipeline_schedules.one_f_one_b(4, 8), 0, 10) == (80, 80)
-    assert pipeline_parallel.expected_p2p_bytes(pipeline_schedules.one_f_one_b(4, 8), 1, 10) == (160, 160)
-    assert pipeline_parallel.expected_p2p_bytes(pipeline_schedules.interleaved_1f1b(4, 8, 2), 0, 10) == (240, 240)
-    assert pipeline_parallel.expected_p2p_bytes(pipeline_schedules.interleaved_1f1b(4, 8, 2), 2, 10) == (320, 320)
+    assert pipeline_schedules.expected_p2p_bytes(pipeline_schedules.one_f_one_b(4, 8), 0, 10) == (80, 80)
+    assert pipeline_schedules.expected_p2p_bytes(pipeline_schedules.one_f_one_b(4, 8), 1, 10) == (160, 160)
+    interleaved = pipeline_schedules.interleaved_1f1b(4, 8, 2)
+    assert pipeline_schedules.expected_p2p_bytes(interleaved, 0, 10) == (240, 240)
+    assert pipeline_schedules.expected_p2p_bytes(interleaved, 2, 10) == (320, 320)
 
 
 def _one_chunk(index=1, n_chunks=4):
@@ -206,7 +217,8 @@ def _pipeline_step(cfg, schedule, stage_seconds=None):
     x = torch.randint(0, cfg.vocab_size, (4, cfg.seq_len), generator=gen)
     y = torch.randint(0, cfg.vocab_size, (4, cfg.seq_len), generator=gen)
     base = GPT(cfg, seed=0)
-    chunks = {c: pipeline_parallel.PipelineChunk(base, c, schedule.n_chunks) for c in schedule.chunks_of(rank)}
+    chunks = {c: pipeline_parallel.PipelineChunk(base, c, schedule.n_chunks)
+              for c in schedule.chunks_of(rank)}
     LEDGER.clear()
     losses, events = pipeline_parallel.run_schedule(schedule, chunks, x, y, rank, stage_seconds=stage_seconds)
     return ({k: float(v) for k, v in losses.items()}, pipeline_parallel.chunk_grads(chunks.values()),
@@ -223,18 +235,22 @@ def test_every_schedule_on_two_ranks_matches_the_single_process(ranks):
     loss.backward()
     activation_bytes = 1 * CFG.seq_len * CFG.d_model * 4
     per_layer = measure.saved_bytes_per_layer(CFG, 1, CFG.seq_len)
-    for s in [pipeline_schedules.gpipe(2, 4), pipeline_schedules.one_f_one_b(2, 4), pipeline_schedules.interleaved_1f1b(2, 4, 2), pipeline_schedules.zb_h1(2, 4)]:
+    for s in [pipeline_schedules.gpipe(2, 4), pipeline_schedules.one_f_one_b(2, 4),
+              pipeline_schedules.interleaved_1f1b(2, 4, 2), pipeline_schedules.zb_h1(2, 4)]:
         results = ranks.apply(_pipeline_step, CFG, s)
         losses = results[s.placement[-1]][0]
         assert sum(losses.values()) / 4 == pytest.approx(loss.item(), rel=1e-6), s.name
         grads = {n: g for _, per_rank, _, _, _ in results for n, g in per_rank.items()}
         assert sorted(grads) == sorted(n for n, _ in reference.named_parameters())
         for name, p in reference.named_parameters():
-            assert (grads[name] - p.grad).abs().max().item() <= 1e-6 * p.grad.abs().max().item(), (s.name, name)
+            error = (grads[name] - p.grad).abs().max().item()
+            assert error <= 1e-6 * p.grad.abs().max().item(), (s.name, name)
         v = len(s.chunks_of(0))
         unit = per_layer * CFG.n_layers // s.n_chunks  # one micro-batch through one chunk
-        assert [r[2] for r in results] == [(pipeline_schedules.peak_alive_formula(s.name, 2, 4, r, v) * unit, 0) for r in range(2)]
-        assert [r[3] for r in results] == [pipeline_parallel.expected_p2p_bytes(s, r, activation_bytes) for r in range(2)]
+        peaks = [pipeline_schedules.peak_alive_formula(s.name, 2, 4, r, v) * unit for r in range(2)]
+        assert [r[2] for r in results] == [(peak, 0) for peak in peaks]
+        assert [r[3] for r in results] == [pipeline_schedules.expected_p2p_bytes(s, r, activation_bytes)
+                                           for r in range(2)]
 
 
 def test_fixed_stage_seconds_pad_every_action_and_keep_the_gradients(ranks):
@@ -250,7 +266,8 @@ def test_fixed_stage_seconds_pad_every_action_and_keep_the_gradients(ranks):
 
 def test_a_deadlocking_schedule_fails_on_the_ranks_without_a_hang(ranks):
     good = pipeline_schedules.one_f_one_b(2, 4)
-    swap = [tuple(pipeline_schedules.Action(a.kind, r, a.micro_batch) for a in good.actions[1 - r]) for r in range(2)]
+    swap = [tuple(pipeline_schedules.Action(a.kind, r, a.micro_batch) for a in good.actions[1 - r])
+            for r in range(2)]
     bad = pipeline_schedules.Schedule("1F1B", 2, 4, good.placement, tuple(swap))  # warm-up counts reversed
     with pytest.raises(ipp.error.CompositeError, match="deadlock"):
         ranks.apply(_pipeline_step, CFG, bad)

@@ -1,22 +1,26 @@
-"""Pipeline parallelism from scratch (chapter 06): the book's GPT cut into chunks, and one executor for any schedule.
+"""Pipeline parallelism from scratch (chapter 06): the book's GPT cut into chunks, and one executor for any
+schedule.
 
-- :class:`PipelineChunk` is a contiguous run of the GPT's layers (the first chunk also embeds the tokens, the last
-  also normalises, projects to the vocabulary and returns the loss); :func:`split_model` cuts the reference into
-  ``n_chunks`` of them, with the layers of :func:`helpers.parallel.pipeline_schedules.stage_layers`.
-- :func:`run_schedule` runs one rank's list of actions from a :class:`helpers.parallel.pipeline_schedules.Schedule`. Activations
-  travel forward and their gradients backward by point-to-point messages, each tagged with its kind, chunk and
-  micro-batch, so a message can only be taken for the one it is; sends are asynchronous and receives wait, so the
-  order the schedule gives is the order the rank works in. Every message is counted in
-  :data:`helpers.parallel.ledger.LEDGER` as it is posted; every action is written into the rank's list of :class:`Event` s,
-  with the bytes :class:`SavedActivations` measured afterwards.
+- :class:`PipelineChunk` is a contiguous run of the GPT's layers (the first chunk also embeds the tokens, the
+  last also normalises, projects to the vocabulary and returns the loss); :func:`split_model` cuts the
+  reference into ``n_chunks`` of them, with the layers of
+  :func:`helpers.parallel.pipeline_schedules.stage_layers`.
+- :func:`run_schedule` runs one rank's list of actions from a
+  :class:`helpers.parallel.pipeline_schedules.Schedule`. Activations travel forward and their gradients
+  backward by point-to-point messages, each tagged with its kind, chunk and micro-batch, so a message can only
+  be taken for the one it is; sends are asynchronous and receives wait, so the order the schedule gives is the
+  order the rank works in. Every message is counted in :data:`helpers.parallel.ledger.LEDGER` as it is posted;
+  every action is written into the rank's list of :class:`Event` s, with the bytes :class:`SavedActivations`
+  measured afterwards.
 - :func:`backward_input` and :func:`backward_weight` split a chunk's backward in two for the zero-bubble
-  schedules, as ``torch.distributed.pipelining`` does: the first computes the gradients of the activations only,
-  keeping the gradient at the output of every layer with weights; the second computes the weights' gradients from
-  those alone, one layer at a time, without walking the rest of the graph again.
+  schedules, as ``torch.distributed.pipelining`` does: the first computes the gradients of the activations
+  only, keeping the gradient at the output of every layer with weights; the second computes the weights'
+  gradients from those alone, one layer at a time, without walking the rest of the graph again.
 - :func:`torch_pipeline` runs the same chunks under ``torch.distributed.pipelining``'s schedules.
 
 The loss of a step is the mean over the ``m`` micro-batches of each one's mean loss, so each micro-batch's
-backward starts from ``loss / m``: the gradients are then those of the whole batch, as one process computes them.
+backward starts from ``loss / m``: the gradients are then those of the whole batch, as one process computes
+them.
 """
 
 from __future__ import annotations
@@ -31,27 +35,26 @@ import torch.distributed as dist
 from torch import nn
 from torch.autograd.graph import get_gradient_edge, saved_tensors_hooks
 
-from helpers.parallel.pipeline_schedules import stage_layers
-from helpers.dist import collective_timeout
-from helpers.parallel.ledger import LEDGER, Message
-from helpers.model import GPT, GPTConfig, cross_entropy
 from helpers import layout_rules
-from helpers.parallel.pipeline_schedules import Action, Schedule, validate
+from helpers.dist import collective_timeout
+from helpers.model import GPT, GPTConfig, cross_entropy
+from helpers.parallel.ledger import LEDGER, Message
+from helpers.parallel.pipeline_schedules import Action, Schedule, stage_layers, validate
 
 
 def check_layout(cfg: GPTConfig, n_chunks: int) -> None:
     """Raise a ValueError naming the broken constraint if ``cfg`` cannot be cut into ``n_chunks`` chunks."""
     layout_rules.pipeline_parallel(n_chunks, cfg.n_layers)
     if cfg.tie_embeddings and n_chunks > 1:
-        raise ValueError("tie_embeddings=True puts one weight on the first and the last chunk: build the pipeline "
-                         "model with tie_embeddings=False (or all-reduce that weight's gradient between the two "
-                         "stages, as Megatron-LM does)")
+        raise ValueError("tie_embeddings=True puts one weight on the first and the last chunk: build the "
+                         "pipeline model with tie_embeddings=False (or all-reduce that weight's gradient "
+                         "between the two stages, as Megatron-LM does)")
 
 
 class PipelineChunk(nn.Module):
-    """Layers ``layers`` of the book's GPT, copied from ``reference``; the first chunk embeds, the last one ends
-    with the final norm and the LM head. Its forward maps token ids (first chunk) or activations to activations
-    (or, for the last chunk, logits)."""
+    """Layers ``layers`` of the book's GPT, copied from ``reference``; the first chunk embeds, the last one
+    ends with the final norm and the LM head. Its forward maps token ids (first chunk) or activations to
+    activations (or, for the last chunk, logits)."""
 
     def __init__(self, reference: GPT, index: int, n_chunks: int):
         super().__init__()
@@ -73,7 +76,8 @@ class PipelineChunk(nn.Module):
         return self.lm_head(self.ln_f(x)) if self.last else x
 
     def reference_names(self) -> dict[str, nn.Parameter]:
-        """This chunk's parameters under the reference model's names (``blocks.5.…`` rather than ``blocks.1.…``)."""
+        """This chunk's parameters under the reference model's names (``blocks.5.…`` rather than
+        ``blocks.1.…``)."""
         out = {}
         for name, p in self.named_parameters():
             if name.startswith("blocks."):
@@ -105,8 +109,9 @@ def chunk_params(chunks) -> dict[str, torch.Tensor]:
 class Event(NamedTuple):
     """One action as a rank ran it: when it began waiting for its input, when it started computing, when the
     computation ended and when the action ended (later if it was padded to a fixed duration), on
-    ``time.perf_counter``, the machine's monotonic clock, the same in every process; and the bytes of activations
-    the rank's transformer blocks still had saved for backward afterwards, measured by :class:`SavedActivations`."""
+    ``time.perf_counter``, the machine's monotonic clock, the same in every process; and the bytes of
+    activations the rank's transformer blocks still had saved for backward afterwards, measured by
+    :class:`SavedActivations`."""
 
     kind: str
     chunk: int
@@ -119,8 +124,8 @@ class Event(NamedTuple):
 
 
 class _Saved:
-    """What autograd keeps in place of one saved tensor while a :class:`SavedActivations` watches: it lives exactly
-    as long as autograd keeps the tensor for backward."""
+    """What autograd keeps in place of one saved tensor while a :class:`SavedActivations` watches: it lives
+    exactly as long as autograd keeps the tensor for backward."""
 
     __slots__ = ("tensor", "meter", "key")
 
@@ -132,10 +137,11 @@ class _Saved:
 
 
 class SavedActivations:
-    """The bytes of the tensors that autograd keeps saved for backward inside the transformer blocks of ``chunks``,
-    live: while a block runs its forward, a ``saved_tensors_hooks`` pack hook wraps every tensor autograd saves in
-    a holder that autograd keeps instead of the tensor and drops when it frees it. Each storage counts once;
-    the parameters (``F.linear`` saves the weight) are left out, since they are not activations."""
+    """The bytes of the tensors that autograd keeps saved for backward inside the transformer blocks of
+    ``chunks``, live: while a block runs its forward, a ``saved_tensors_hooks`` pack hook wraps every tensor
+    autograd saves in a holder that autograd keeps instead of the tensor and drops when it frees it. Each
+    storage counts once; the parameters (``F.linear`` saves the weight) are left out, since they are not
+    activations."""
 
     def __init__(self, chunks):
         self.params = {p.untyped_storage().data_ptr() for c in chunks for p in c.parameters()}
@@ -143,7 +149,8 @@ class SavedActivations:
         self.bytes = 0
         self._contexts: list = []
         self._handles = [h for c in chunks for block in c.blocks
-                         for h in (block.register_forward_pre_hook(self._enter), block.register_forward_hook(self._exit))]
+                         for h in (block.register_forward_pre_hook(self._enter),
+                                   block.register_forward_hook(self._exit))]
 
     def _enter(self, module, args):
         self._contexts.append(saved_tensors_hooks(self._pack, self._unpack))
@@ -159,7 +166,8 @@ class SavedActivations:
         entry = self.live.setdefault(storage.data_ptr(), [storage.nbytes(), 0])
         self.bytes += entry[0] if entry[1] == 0 else 0
         entry[1] += 1
-        return _Saved(tensor.detach(), self, storage.data_ptr())  # detached: a saved output would hold its own node
+        # detached: a saved output would hold its own node
+        return _Saved(tensor.detach(), self, storage.data_ptr())
 
     @staticmethod
     def _unpack(packed):
@@ -178,13 +186,14 @@ class SavedActivations:
 
 
 def _tag(kind: str, chunk: int, micro_batch: int, m: int) -> int:
-    """One tag per message: the activation leaving ``chunk`` (kind "F") or the gradient of its input ("grad")."""
+    """One tag per message: the activation leaving ``chunk`` (kind "F") or the gradient of its input
+    ("grad")."""
     return 2 * (chunk * m + micro_batch) + (kind == "grad")
 
 
 class _Mailbox:
-    """Point-to-point messages of one rank: asynchronous tagged sends, waited receives, each counted in the ledger
-    with the bytes of the tensor it carries."""
+    """Point-to-point messages of one rank: asynchronous tagged sends, waited receives, each counted in the
+    ledger with the bytes of the tensor it carries."""
 
     def __init__(self, s: Schedule, rank: int, group, timeout_s: float):
         self.s, self.rank, self.group, self.timeout_s = s, rank, group, timeout_s
@@ -199,8 +208,9 @@ class _Mailbox:
         if dst == self.rank:
             self.local[(kind, chunk, micro_batch)] = tensor
             return
-        LEDGER.messages.append(Message("pipeline", "activations" if kind == "F" else "gradients", step, "send", dst,
-                                       tensor.numel() * tensor.element_size()))
+        phase = "activations" if kind == "F" else "gradients"
+        nbytes = tensor.numel() * tensor.element_size()
+        LEDGER.messages.append(Message("pipeline", phase, step, "send", dst, nbytes))
         self.pending.append(dist.isend(tensor, self._peer(dst), group=self.group,
                                        tag=_tag(kind, chunk, micro_batch, self.s.m)))
 
@@ -208,14 +218,16 @@ class _Mailbox:
         if src == self.rank:
             return self.local.pop((kind, chunk, micro_batch))
         buf = torch.empty_like(like)
-        LEDGER.messages.append(Message("pipeline", "activations" if kind == "F" else "gradients", step, "recv", src,
-                                       buf.numel() * buf.element_size()))
-        work = dist.irecv(buf, self._peer(src), group=self.group, tag=_tag(kind, chunk, micro_batch, self.s.m))
+        phase = "activations" if kind == "F" else "gradients"
+        nbytes = buf.numel() * buf.element_size()
+        LEDGER.messages.append(Message("pipeline", phase, step, "recv", src, nbytes))
+        work = dist.irecv(buf, self._peer(src), group=self.group,
+                          tag=_tag(kind, chunk, micro_batch, self.s.m))
         try:
             work.wait(timeout=timedelta(seconds=self.timeout_s))
         except RuntimeError as err:
-            raise RuntimeError(f"rank {self.rank}, action {step} ({action}): nothing arrived from rank {src} within "
-                               f"{self.timeout_s:.0f} s ({err})") from None
+            raise RuntimeError(f"rank {self.rank}, action {step} ({action}): nothing arrived from rank {src} "
+                               f"within {self.timeout_s:.0f} s ({err})") from None
         return buf
 
     def flush(self) -> None:
@@ -244,9 +256,10 @@ def forward_step(chunk: PipelineChunk, x: torch.Tensor):
 
 
 def backward_input(out, grad, x, edges):
-    """The zero-bubble paper's B (I here): the gradient of the chunk's input and of every weight layer's output,
-    and nothing else: with no parameter among the inputs, autograd skips every weight-gradient product. Keeps the
-    graph (``retain_graph``) for :func:`backward_weight`. Returns ``(input gradient or None, kept for W)``."""
+    """The zero-bubble paper's B (I here): the gradient of the chunk's input and of every weight layer's
+    output, and nothing else: with no parameter among the inputs, autograd skips every weight-gradient
+    product. Keeps the graph (``retain_graph``) for :func:`backward_weight`. Returns ``(input gradient or
+    None, kept for W)``."""
     inputs = ([x] if x.requires_grad else []) + [edge for _, edge in edges]
     grads = torch.autograd.grad(out, inputs, grad, retain_graph=True)
     input_grad = grads[0] if x.requires_grad else None
@@ -256,7 +269,8 @@ def backward_input(out, grad, x, edges):
 def backward_weight(kept) -> None:
     """The zero-bubble paper's W: each weight layer's gradients from the gradient at its own output, which
     :func:`backward_input` kept. Autograd walks from that output to the layer's own weights only; the rest of
-    the graph, and with it the activations saved for the input gradients, is freed when ``kept`` is dropped."""
+    the graph, and with it the activations saved for the input gradients, is freed when ``kept`` is
+    dropped."""
     for mod, edge, grad_out in kept:
         params = list(mod.parameters(recurse=False))
         for p, g in zip(params, torch.autograd.grad(edge, params, grad_out)):
@@ -264,7 +278,8 @@ def backward_weight(kept) -> None:
 
 
 def _pad(start: float, seconds: float | None) -> tuple[float, float]:
-    """When the computation ended, and when the action ends: padded by a sleep to ``seconds`` after ``start``."""
+    """When the computation ended, and when the action ends: padded by a sleep to ``seconds`` after
+    ``start``."""
     computed = time.perf_counter()
     if seconds:
         time.sleep(max(0.0, start + seconds - computed))
@@ -273,12 +288,12 @@ def _pad(start: float, seconds: float | None) -> tuple[float, float]:
 
 def run_schedule(s: Schedule, chunks: dict[int, PipelineChunk], tokens: torch.Tensor, targets: torch.Tensor,
                  rank: int, *, group=None, timeout_s: float | None = None, stage_seconds: dict | None = None):
-    """Run rank ``rank``'s actions of ``s`` on its ``chunks`` (``{chunk index: PipelineChunk}``) for one global
-    batch, split into ``s.m`` micro-batches. Gradients accumulate into the chunks' parameters.
+    """Run rank ``rank``'s actions of ``s`` on its ``chunks`` (``{chunk index: PipelineChunk}``) for one
+    global batch, split into ``s.m`` micro-batches. Gradients accumulate into the chunks' parameters.
 
-    ``stage_seconds`` (e.g. ``{"F": 0.02, "B": 0.04, "I": 0.02, "W": 0.02}``, for a whole stage; a chunk of a rank
-    holding ``v`` chunks takes ``1/v`` of it) pads every action with a sleep to a fixed duration, so that the
-    timeline shows the schedule rather than the ranks' competition for the machine's cores.
+    ``stage_seconds`` (e.g. ``{"F": 0.02, "B": 0.04, "I": 0.02, "W": 0.02}``, for a whole stage; a chunk of a
+    rank holding ``v`` chunks takes ``1/v`` of it) pads every action with a sleep to a fixed duration, so that
+    the timeline shows the schedule rather than the ranks' competition for the machine's cores.
 
     Returns ``(losses, events)``: each micro-batch's loss on the rank that runs the last chunk (else empty),
     and one :class:`Event` per action. The schedule is validated first, so a bad one raises a
@@ -286,7 +301,8 @@ def run_schedule(s: Schedule, chunks: dict[int, PipelineChunk], tokens: torch.Te
     """
     validate(s)
     if sorted(chunks) != s.chunks_of(rank):
-        raise ValueError(f"rank {rank} runs chunks {s.chunks_of(rank)} in {s.name}, but was given {sorted(chunks)}")
+        raise ValueError(f"rank {rank} runs chunks {s.chunks_of(rank)} in {s.name}, "
+                         f"but was given {sorted(chunks)}")
     if tokens.shape[0] % s.m:
         raise ValueError(f"m={s.m} micro-batches must divide the batch of {tokens.shape[0]} sequences")
     xs, ys = tokens.chunk(s.m), targets.chunk(s.m)
@@ -304,13 +320,17 @@ def run_schedule(s: Schedule, chunks: dict[int, PipelineChunk], tokens: torch.Te
             c, i = a.chunk, a.micro_batch
             waited = time.perf_counter()
             if a.kind == "F":
-                x = xs[i] if c == 0 else mail.recv(like, "F", c - 1, i, s.placement[c - 1], step, a).requires_grad_()
+                if c == 0:
+                    x = xs[i]
+                else:
+                    x = mail.recv(like, "F", c - 1, i, s.placement[c - 1], step, a).requires_grad_()
                 start = time.perf_counter()
                 out, edges = forward_step(chunks[c], x)
                 if c == last:
                     out = cross_entropy(out, ys[i]) / s.m  # this micro-batch's share of the batch's mean loss
                     losses[str(i)] = out.detach() * s.m
-                computed, end = _pad(start, seconds.get("F"))  # before the send: the next rank starts after it
+                # padded before the send: the next rank starts after it
+                computed, end = _pad(start, seconds.get("F"))
                 if c < last:
                     mail.send(out, "F", c, i, s.placement[c + 1], step)
                 kept[(c, i)] = (x, out, edges)
@@ -321,7 +341,7 @@ def run_schedule(s: Schedule, chunks: dict[int, PipelineChunk], tokens: torch.Te
                 if a.kind == "B":
                     torch.autograd.backward(out, grad)
                     input_grad = x.grad
-                else:  # only the activations' gradients now; what W needs is kept, the input and output are not
+                else:  # only the activations' gradients now; what W needs is kept, not the input and output
                     input_grad, kept[(c, i)] = backward_input(out, grad, x, edges)
                 computed, end = _pad(start, seconds.get(a.kind))
                 if c > 0:
@@ -330,25 +350,12 @@ def run_schedule(s: Schedule, chunks: dict[int, PipelineChunk], tokens: torch.Te
                 start = time.perf_counter()
                 backward_weight(kept.pop((c, i)))
                 computed, end = _pad(start, seconds.get("W"))
-            x = out = edges = grad = input_grad = None  # nothing of this micro-batch outlives the action but kept
+            x = out = edges = grad = input_grad = None  # of this micro-batch only kept outlives the action
             events.append(Event(a.kind, c, i, waited, start, computed, end, saved.bytes))
         mail.flush()
     finally:
         saved.close()
     return losses, events
-
-
-def expected_p2p_bytes(s: Schedule, rank: int, activation_bytes: int) -> tuple[int, int]:
-    """Bytes ``rank`` sends and receives in one step of ``s``: per micro-batch, one activation from each of its
-    chunks to the next chunk's rank and one gradient from each chunk to the previous one's, when that is another
-    rank."""
-    sent = received = 0
-    for c in s.chunks_of(rank):
-        for neighbour in (c - 1, c + 1):
-            if 0 <= neighbour < s.n_chunks and s.placement[neighbour] != rank:
-                sent += s.m * activation_bytes
-                received += s.m * activation_bytes
-    return sent, received
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -357,7 +364,8 @@ def expected_p2p_bytes(s: Schedule, rank: int, activation_bytes: int) -> tuple[i
 
 
 def torch_stage_indices(style: str, rank: int, p: int, v: int) -> list[int]:
-    """The chunks a rank holds: ``loop`` (chunk ``c`` on rank ``c mod p``) or ``v`` (ranks ``0…p-1`` then back)."""
+    """The chunks a rank holds: ``loop`` (chunk ``c`` on rank ``c mod p``) or ``v`` (ranks ``0…p-1`` then
+    back)."""
     if style == "v":
         return [rank, 2 * p - 1 - rank]
     return [rank + k * p for k in range(v)]
@@ -365,7 +373,8 @@ def torch_stage_indices(style: str, rank: int, p: int, v: int) -> list[int]:
 
 def torch_pipeline(schedule_cls, reference: GPT, tokens, targets, rank: int, p: int, m: int, *, style="loop",
                    v: int = 1, group=None, **schedule_kwargs):
-    """One step of ``torch.distributed.pipelining``'s ``schedule_cls`` on the same chunks as :func:`run_schedule`.
+    """One step of ``torch.distributed.pipelining``'s ``schedule_cls`` on the same chunks as
+    :func:`run_schedule`.
 
     Its loss function returns each micro-batch's mean loss, and with ``scale_grads=True`` (the default) the
     schedule divides the accumulated gradients by ``m``: the same gradients as the whole batch's mean loss.

@@ -1,11 +1,11 @@
 """Pipeline schedules as data (chapter 06): generate them, check them, and simulate them under a cost model.
 
-A schedule says, for every rank, the ordered list of :class:`Action` s it runs: the forward of micro-batch ``i``
-through model chunk ``c`` (``F``), its whole backward (``B``), or, for zero-bubble schedules, the backward split in
-two, the gradient of the chunk's input (``I``, the zero-bubble paper's "B") and the gradient of its weights
-(``W``). The model is cut into ``n_chunks`` chunks along its depth; ``placement[c]`` is the rank that runs chunk
-``c``: one chunk per rank for GPipe, 1F1B and ZB-H1, ``v`` chunks per rank, round robin, for the interleaved
-schedule.
+A schedule says, for every rank, the ordered list of :class:`Action` s it runs: the forward of micro-batch
+``i`` through model chunk ``c`` (``F``), its whole backward (``B``), or, for zero-bubble schedules, the
+backward split in two, the gradient of the chunk's input (``I``, the zero-bubble paper's "B") and the gradient
+of its weights (``W``). The model is cut into ``n_chunks`` chunks along its depth; ``placement[c]`` is the
+rank that runs chunk ``c``: one chunk per rank for GPipe, 1F1B and ZB-H1, ``v`` chunks per rank, round robin,
+for the interleaved schedule.
 
 - :func:`gpipe` (Huang et al. 2019), :func:`one_f_one_b` (PipeDream-Flush, Narayanan et al. 2021),
   :func:`interleaved_1f1b` (Narayanan et al. 2021, SC) and :func:`zb_h1` (Qi et al. 2024) generate schedules.
@@ -15,6 +15,7 @@ schedule.
 - :func:`simulate` gives every action's start and end under a cost model (times of ``F``, ``B``, ``I``, ``W``
   as exact fractions), from which :func:`bubble_fraction` and :func:`peak_alive` follow; the same function,
   fed the durations the ranks measured, predicts the measured timeline.
+- :func:`expected_p2p_bytes`: what each rank sends and receives in a step, from the placement of the chunks.
 """
 
 from __future__ import annotations
@@ -34,7 +35,8 @@ class Action(NamedTuple):
     micro_batch: int
 
     def __str__(self) -> str:
-        names = {"F": "forward", "B": "backward", "I": "input-gradient backward", "W": "weight-gradient backward"}
+        names = {"F": "forward", "B": "backward", "I": "input-gradient backward",
+                 "W": "weight-gradient backward"}
         return f"{names[self.kind]} of micro-batch {self.micro_batch} on chunk {self.chunk}"
 
 
@@ -60,7 +62,8 @@ def _check_sizes(p: int, m: int, v: int = 1) -> None:
 
 
 def gpipe(p: int, m: int) -> Schedule:
-    """All forwards, then all backwards (Huang et al. 2019): each stage keeps all ``m`` micro-batches alive."""
+    """All forwards, then all backwards (Huang et al. 2019): each stage keeps all ``m`` micro-batches
+    alive."""
     _check_sizes(p, m)
     return Schedule("GPipe", p, m, tuple(range(p)),
                     tuple(tuple([Action("F", r, i) for i in range(m)] + [Action("B", r, i) for i in range(m)])
@@ -68,8 +71,9 @@ def gpipe(p: int, m: int) -> Schedule:
 
 
 def one_f_one_b(p: int, m: int) -> Schedule:
-    """PipeDream-Flush (Narayanan et al. 2021): ``p-1-r`` warm-up forwards on rank ``r``, then one forward and one
-    backward in turn, then the remaining backwards. Rank ``r`` keeps at most ``p-r`` micro-batches alive."""
+    """PipeDream-Flush (Narayanan et al. 2021): ``p-1-r`` warm-up forwards on rank ``r``, then one forward and
+    one backward in turn, then the remaining backwards. Rank ``r`` keeps at most ``p-r`` micro-batches
+    alive."""
     _check_sizes(p, m)
     ranks = []
     for r in range(p):
@@ -83,12 +87,13 @@ def one_f_one_b(p: int, m: int) -> Schedule:
 
 
 def interleaved_1f1b(p: int, m: int, v: int) -> Schedule:
-    """Megatron-LM's interleaved 1F1B (Narayanan et al. 2021, SC, section 2.2): ``v`` chunks per rank, chunk ``c``
-    on rank ``c mod p``. A rank runs micro-batches in groups of ``p``, one chunk after the other; it warms up with
-    ``2(p-1-r) + (v-1)p`` chunk-forwards, then alternates one forward and one backward."""
+    """Megatron-LM's interleaved 1F1B (Narayanan et al. 2021, SC, section 2.2): ``v`` chunks per rank, chunk
+    ``c`` on rank ``c mod p``. A rank runs micro-batches in rounds of ``p``, one chunk after the other; it
+    warms up with ``2(p-1-r) + (v-1)p`` chunk-forwards, then alternates one forward and one backward."""
     _check_sizes(p, m, v)
     if m % p:
-        raise ScheduleError(f"interleaved 1F1B needs m={m} to be a multiple of p={p}: micro-batches go in groups of p")
+        raise ScheduleError(f"interleaved 1F1B needs m={m} to be a multiple of p={p}: micro-batches go in "
+                            f"rounds of p")
     total = v * m
 
     def forward(k: int, r: int) -> Action:  # the k-th chunk-forward of rank r
@@ -111,9 +116,9 @@ def interleaved_1f1b(p: int, m: int, v: int) -> Schedule:
 
 
 def zb_h1(p: int, m: int) -> Schedule:
-    """ZB-H1 (Qi et al. 2024, section 3.1): 1F1B with the backward split into ``I`` and ``W``; rank ``r`` runs the
-    ``W`` of a micro-batch only ``r`` backwards later, so that every rank keeps at most ``p`` micro-batches alive
-    (the first rank's 1F1B peak) and the postponed ``W`` fill the bubbles at the end."""
+    """ZB-H1 (Qi et al. 2024, section 3.1): 1F1B with the backward split into ``I`` and ``W``; rank ``r`` runs
+    the ``W`` of a micro-batch only ``r`` backwards later, so that every rank keeps at most ``p``
+    micro-batches alive (the first rank's 1F1B peak) and the postponed ``W`` fill the bubbles at the end."""
     base = one_f_one_b(p, m)
     ranks = []
     for r, acts in enumerate(base.actions):
@@ -139,8 +144,8 @@ def zb_h1(p: int, m: int) -> Schedule:
 def dependencies(a: Action, n_chunks: int) -> list[tuple[str, int, int]]:
     """What must have finished before ``a`` starts, as ``(event, chunk, micro_batch)``.
 
-    ``("F", c, i)``: the forward's output of chunk ``c``; ``("grad", c, i)``: the gradient of chunk ``c``'s input
-    (produced by its ``B`` or ``I``); ``("I", c, i)``: the input-gradient step, which ``W`` needs.
+    ``("F", c, i)``: the forward's output of chunk ``c``; ``("grad", c, i)``: the gradient of chunk ``c``'s
+    input (produced by its ``B`` or ``I``); ``("I", c, i)``: the input-gradient step, which ``W`` needs.
     """
     c, i = a.chunk, a.micro_batch
     if a.kind == "F":
@@ -157,7 +162,8 @@ def _produces(a: Action) -> list[tuple[str, int, int]]:
 
 def _describe(event: tuple[str, int, int], placement) -> str:
     kind, c, i = event
-    what = {"F": "the activations of", "grad": "the input gradient of", "I": "the input-gradient step of"}[kind]
+    what = {"F": "the activations of", "grad": "the input gradient of",
+            "I": "the input-gradient step of"}[kind]
     return f"{what} micro-batch {i} from chunk {c} (rank {placement[c]})"
 
 
@@ -193,8 +199,8 @@ def simulate(s: Schedule, costs: dict | None = None, comm=0, durations: dict | N
     (``comm`` after they were produced on another rank). ``costs`` gives the time of each kind for a whole
     stage (default ``F=1, B=2, I=1, W=1``); a chunk of a rank holding ``v`` chunks takes ``1/v`` of it.
     ``durations`` (``{(rank, action): seconds}``) overrides the cost of individual actions, e.g. with the
-    times the ranks measured. A schedule that cannot proceed raises :class:`ScheduleError`: the wrong order on a
-    rank (a backward before its forward) or a deadlock, naming each stuck rank and what it waits for.
+    times the ranks measured. A schedule that cannot proceed raises :class:`ScheduleError`: the wrong order on
+    a rank (a backward before its forward) or a deadlock, naming each stuck rank and what it waits for.
     """
     _check_contents(s)
     costs = {"F": Fraction(1), "B": Fraction(2), "I": Fraction(1), "W": Fraction(1), **(costs or {})}
@@ -233,13 +239,15 @@ def simulate(s: Schedule, costs: dict | None = None, comm=0, durations: dict | N
                 if pos[r] < len(s.actions[r]):
                     a = s.actions[r][pos[r]]
                     waits = [d for d in dependencies(a, s.n_chunks) if d not in done]
-                    stuck.append(f"rank {r} at action {pos[r]} ({a}) waits for {_describe(waits[0], s.placement)}")
+                    stuck.append(f"rank {r} at action {pos[r]} ({a}) waits for "
+                                 f"{_describe(waits[0], s.placement)}")
             raise ScheduleError("deadlock: " + "; ".join(stuck))
     return timeline
 
 
 def validate(s: Schedule) -> None:
-    """Raise a :class:`ScheduleError` if ``s`` is incomplete, out of order or deadlocks (simulated, unit costs)."""
+    """Raise a :class:`ScheduleError` if ``s`` is incomplete, out of order or deadlocks (simulated, unit
+    costs)."""
     simulate(s)
 
 
@@ -259,8 +267,8 @@ def bubble_fraction(timeline: dict) -> dict:
 
 
 def peak_alive(s: Schedule) -> list[int]:
-    """Per rank: the most (chunk, micro-batch) pairs whose activations are kept at once, from the action order:
-    a forward keeps them, the whole backward (or the weight-gradient step) frees them."""
+    """Per rank: the most (chunk, micro-batch) pairs whose activations are kept at once, from the action
+    order: a forward keeps them, the whole backward (or the weight-gradient step) frees them."""
     peaks = []
     for acts in s.actions:
         alive = peak = 0
@@ -272,9 +280,9 @@ def peak_alive(s: Schedule) -> list[int]:
 
 
 def bubble_formula(name: str, p: int, m: int, v: int = 1, costs: dict | None = None) -> Fraction:
-    """The papers' bubble fractions: ``(p-1)/m`` for GPipe and 1F1B (Huang et al. 2019; Narayanan et al. 2021),
-    ``(p-1)/(v·m)`` interleaved (Narayanan et al. 2021, SC), ``(p-1)(F+I-W)/(m(F+I+W))`` for ZB-H1 (Qi et al.
-    2024, section 3.1: a third of 1F1B's when the three take equal time)."""
+    """The papers' bubble fractions: ``(p-1)/m`` for GPipe and 1F1B (Huang et al. 2019; Narayanan et al.
+    2021), ``(p-1)/(v·m)`` interleaved (Narayanan et al. 2021, SC), ``(p-1)(F+I-W)/(m(F+I+W))`` for ZB-H1 (Qi
+    et al. 2024, section 3.1: a third of 1F1B's when the three take equal time)."""
     if name in ("GPipe", "1F1B"):
         return Fraction(p - 1, m)
     if name.startswith("interleaved"):
@@ -287,9 +295,9 @@ def bubble_formula(name: str, p: int, m: int, v: int = 1, costs: dict | None = N
 
 def peak_alive_formula(name: str, p: int, m: int, rank: int, v: int = 1) -> int:
     """The most (chunk, micro-batch) pairs rank ``rank`` keeps: ``m`` in GPipe; ``min(p-r, m)`` in 1F1B
-    (Narayanan et al. 2021); its warm-up plus one, ``min(2(p-1-r) + (v-1)p + 1, vm)`` chunks, interleaved (Narayanan
-    et al. 2021, SC: ``p + (p-1)/v`` stages' worth on the first rank); ``min(p, m)`` on every rank in ZB-H1, the
-    first rank's 1F1B peak (Qi et al. 2024)."""
+    (Narayanan et al. 2021); its warm-up plus one, ``min(2(p-1-r) + (v-1)p + 1, vm)`` chunks, interleaved
+    (Narayanan et al. 2021, SC: ``p + (p-1)/v`` stages' worth on the first rank); ``min(p, m)`` on every rank
+    in ZB-H1, the first rank's 1F1B peak (Qi et al. 2024)."""
     if name == "GPipe":
         return m
     if name == "1F1B":
@@ -322,3 +330,16 @@ def micro_batches_in_flight(schedule: str, pp: int, vpp: int, m: int, stage: int
     if vpp == 1:
         return min(pp - stage, m)
     return min(2 * (pp - 1 - stage) + (vpp - 1) * pp + 1, vpp * m) / vpp
+
+
+def expected_p2p_bytes(s: Schedule, rank: int, activation_bytes: int) -> tuple[int, int]:
+    """Bytes ``rank`` sends and receives in one step of ``s``: per micro-batch, one activation from each of
+    its chunks to the next chunk's rank and one gradient from each chunk to the previous one's, when that is
+    another rank."""
+    sent = received = 0
+    for c in s.chunks_of(rank):
+        for neighbour in (c - 1, c + 1):
+            if 0 <= neighbour < s.n_chunks and s.placement[neighbour] != rank:
+                sent += s.m * activation_bytes
+                received += s.m * activation_bytes
+    return sent, received
