@@ -272,3 +272,22 @@ def test_every_chapter_ends_with_the_skeletons_sections():
         assert got[-len(want):] == want, \
             f"{os.path.relpath(path, ROOT)} ends with the sections {got[-len(want):]}; every chapter ends " \
             f"with {want}, in this order ({SKELETON})"
+
+
+# what book/conventions.md rules out, in helpers/, tests/ and the chapters (not in this file, which names it)
+NEVER = {r"\bgroup_size\b": "group_size (GQA's query heads per KV head are n_rep)",
+         r"\bas get_batch\b": "an alias for get_batch (helpers.data.get_batch is its name)",
+         r"^\s*from \.": "a relative import (absolute imports only: from helpers.x import y)",
+         r"^\s*(from [\w.]+ )?import [\w.]+ as (dp|tp|pp|cp|ep|vpp|[a-z])\b":
+             "a degree's name or a single letter as an import alias (full module names)"}
+
+
+def test_no_word_the_conventions_rule_out():
+    paths = [p for p in glob.glob(os.path.join(ROOT, "helpers", "**", "*.py"), recursive=True)
+             + glob.glob(os.path.join(ROOT, "tests", "**", "*.py"), recursive=True)
+             + glob.glob(os.path.join(ROOT, "notebooks", "*.md"))
+             if os.path.abspath(p) != os.path.abspath(__file__)]
+    found = [f"{os.path.relpath(path, ROOT)}:{n}: {why}" for path in sorted(paths)
+             for n, line in enumerate(read(path).splitlines(), 1)
+             for pattern, why in NEVER.items() if re.search(pattern, line)]
+    assert not found, "words book/conventions.md rules out:\n" + "\n".join(found)
