@@ -335,10 +335,10 @@ def family_table(rows: list[CheckResult]) -> str:
     for r in rows:
         families.setdefault(r.tolerance, []).append(r)
     lines = ["| tolerance | checks | max abs error | max rel error | all pass |", "|---|---|---|---|---|"]
-    for tol, group in sorted(families.items(), key=lambda item: -len(item[1])):
-        lines.append(f"| {tol} | {len(group)} | {max(r.max_abs for r in group):.2e} | "
-                     f"{max(r.max_rel for r in group):.2e} | "
-                     f"{'yes' if all(r.passed for r in group) else '**NO**'} |")
+    for tol, family in sorted(families.items(), key=lambda item: -len(item[1])):
+        lines.append(f"| {tol} | {len(family)} | {max(r.max_abs for r in family):.2e} | "
+                     f"{max(r.max_rel for r in family):.2e} | "
+                     f"{'yes' if all(r.passed for r in family) else '**NO**'} |")
 
     return "\n".join(lines)
 

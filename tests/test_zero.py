@@ -113,7 +113,7 @@ def _check_against_single_process(results, what):
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_every_stage_accumulates_micro_batches_like_one_process(ranks, stage, micro_batches):
     results = ranks.apply(_sharded_run, CFG, stage, micro_batches, BATCHES, ADAMW)
-    _check_against_single_process(results, f"ZeRO-{stage}, {micro_batches} micro-batches")
+    _check_against_single_process(results, f"ZeRO-{stage}, micro_batches={micro_batches}")
 
 
 @pytest.mark.parametrize("reshard, prefetch", [(False, False), (True, True)], ids=["no-reshard", "prefetch"])
