@@ -339,7 +339,6 @@ def family_table(rows: list[CheckResult]) -> str:
         lines.append(f"| {tol} | {len(family)} | {max(r.max_abs for r in family):.2e} | "
                      f"{max(r.max_rel for r in family):.2e} | "
                      f"{'yes' if all(r.passed for r in family) else '**NO**'} |")
-
     return "\n".join(lines)
 
 

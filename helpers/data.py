@@ -7,7 +7,6 @@ later chapters show a loss that falls, and small enough to tokenize in milliseco
 ``get_batch(tokens, step, batch_size, seq_len, seed)`` returns the *global* batch of a step: inputs and
 next-token targets of shape (batch_size, seq_len), the same on every rank and in the kernel. A data-parallel
 rank takes its own rows of it with :func:`rank_rows`.
-
 """
 
 from __future__ import annotations

@@ -14,7 +14,6 @@ frame of the book's own code, as a path inside the repository. Errors in the ker
 ``Name: message`` (IPython's ``Minimal`` mode). The build still fails exactly as before, and its log
 (``helpers/tools/build.py``) reads the same lines. ``BOOK_FULL_TRACEBACKS=1`` keeps every traceback whole, for
 debugging.
-
 """
 
 from __future__ import annotations

@@ -78,4 +78,3 @@ def mesh(world_size: int, dp: int, tp: int, pp: int, cp: int) -> None:
     if world_size != dp * tp * pp * cp:
         raise ValueError(f"world size {world_size} != dp*tp*pp*cp = {dp}*{tp}*{pp}*{cp} "
                          f"= {dp * tp * pp * cp}")
-

@@ -33,7 +33,6 @@ def saved_tensors(fn, module: torch.nn.Module | None = None) -> dict[int, tuple[
     """
     params = set() if module is None else {_local(p).untyped_storage().data_ptr()
                                            for p in module.parameters()}
-
     saved = {}
 
     def pack(t):
@@ -64,7 +63,6 @@ def saved_bytes_per_layer(cfg, micro_batch: int, seq_len: int, materialized: boo
         model = GPT(replace(cfg, n_layers=n_layers), seed=0)
         gen = torch.Generator().manual_seed(0)
         idx = torch.randint(0, cfg.vocab_size, (micro_batch, seq_len), generator=gen)
-
         with attention_backend(materialized):
             saved = saved_tensors(lambda: model(idx, idx), model)
         totals.append(sum(b for b, _, _ in saved.values()))

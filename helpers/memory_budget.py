@@ -225,7 +225,6 @@ def _stage_params(model: ModelShape, layout: Layout) -> list[tuple[int, int]]:
             dense += norm
             if not model.tie_embeddings or pp > 1:  # a tied head on another stage keeps its own copy
                 dense += model.vocab_size * model.d_model // tp
-
         stages.append((dense, expert))
     return stages
 

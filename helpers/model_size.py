@@ -183,7 +183,6 @@ GPT2_SMALL = ModelShape("GPT-2 small", n_layers=12, d_model=768, n_heads=12, n_k
                         vocab_size=50257, gated=False, tie_embeddings=True, norm="layernorm",
                         linear_bias=True, learned_positions=1024,
                         source="Radford et al. 2019 (the 124M release)")
-
 LLAMA3_8B = ModelShape("Llama-3 8B", n_layers=32, d_model=4096, n_heads=32, n_kv_heads=8, d_ff=14336,
                        vocab_size=128256, source="Llama Team 2024, table 3")
 LLAMA3_70B = ModelShape("Llama-3 70B", n_layers=80, d_model=8192, n_heads=64, n_kv_heads=8, d_ff=28672,

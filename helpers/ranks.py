@@ -165,7 +165,6 @@ def start_ranks(world_size: int = 4, *, timeout_s: float | None = None, activate
     store_file = os.path.join(run_dir, "store")
     # The cluster's own profile, not ~/.ipython: its connection files, logs and engine-state file go with
     # run_dir.
-
     cluster = ipp.Cluster(n=world_size, controller_ip="127.0.0.1", log_level=logging.ERROR, config=config,
                           profile_dir=os.path.join(run_dir, "ipython"))
     janitor = None

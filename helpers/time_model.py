@@ -1,5 +1,7 @@
 """The time model of one training step: what each parallelism sends, and alpha-beta time (chapter 01).
 
+The third of the three parts of chapter 01's calculator, after :mod:`helpers.model_size` and
+:mod:`helpers.memory_budget` (whose :func:`~helpers.memory_budget.budget` calls :func:`traffic`).
 Each kind of parallelism has its traffic formula here, public, and the chapter whose ledger measures that
 traffic shows it and checks it: data parallelism and ZeRO in chapters 03 and 04, tensor parallelism in 05, the
 pipeline in 06, context parallelism in 07, expert parallelism in 08.

@@ -56,6 +56,5 @@ def assert_close_to_scale(got: dict, want: dict, rtol: float, what: str = "") ->
         assert g.shape == w.shape, f"{what} {name}: shape {tuple(g.shape)}, want {tuple(w.shape)}"
         if not w.numel():
             continue
-
         error, scale = (g - w).abs().max().item(), w.abs().max().item()
         assert error <= rtol * scale, f"{what} {name}: max abs error {error:.3e} > {rtol:.0e} x {scale:.3e}"

@@ -4,7 +4,6 @@ Everything runs in this process: counts in exact integers, float formulas to rel
 tolerance is given), and the presets within 1% of the sizes the models are known by.
 """
 
-
 from dataclasses import replace
 
 import pytest
@@ -93,7 +92,6 @@ def test_full_recomputation_flops_against_flop_counter():
         counted = sum(count_flops(step).values())
     predicted = model_size.step_flops(ModelShape.from_gpt(cfg), Batch(cfg.seq_len, b, b), "full")
     assert counted == predicted["total"]
-
 
 
 def test_zero_stages_shard_what_they_should():

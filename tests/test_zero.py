@@ -192,7 +192,6 @@ def test_the_collectives_each_stage_calls(ranks, stage):
     model = GPT(CFG, seed=0)
     padded = {n: shard_rows(p.shape[0], 2) * 2 * (p.numel() // p.shape[0])
               for n, p in model.named_parameters()}
-
     blocks = sum(v for n, v in padded.items() if n.startswith("blocks."))
     everything = sum(padded.values())
     gathered = everything if stage < 3 else 2 * blocks + (everything - blocks)  # ZeRO-3: each block twice

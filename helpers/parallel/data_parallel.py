@@ -228,6 +228,5 @@ def check_communication(label: str, watch: CommunicationWatch, cap_bytes: int) -
     check_equal(f"{label}: consecutive buckets that would fit under the cap as one",
                 [f"{a:,} + {b:,} bytes" for a, b in zip(sizes, sizes[1:]) if a + b <= cap_bytes], [],
                 quiet=True)
-
     check_equal(f"{label}: all-reduces called before backward's last gradient, of {len(sizes)}",
                 watch.launched_before_last_gradient(), max(0, len(sizes) - 1), quiet=True)

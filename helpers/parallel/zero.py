@@ -333,7 +333,6 @@ class Zero3:
     def _free(self, i: int) -> None:
         """Unit ``i``'s full parameters go: their storage, and with it every view autograd saved, to 0
         bytes."""
-
         for p in self.units[i]:
             p.untyped_storage().resize_(0)
         self.memory.sample("freed", self.unit_names[i])

@@ -35,7 +35,6 @@ def summarize(log: str) -> list[str]:
     # later, after "X: WARNING: Executing notebook failed" and before "X: WARNING: Notebook exception
     # traceback saved". An error outside such a block (a dead kernel stops the build at once) belongs to the
     # last one started.
-
     started, notebook, rank = "?", "?", None
     for line in (ANSI.sub("", raw).rstrip() for raw in log.splitlines()):
         if executing := EXECUTING.match(line):

@@ -4,7 +4,6 @@
 gone (killed, or restarted from JupyterLab, so its atexit handlers never ran) it kills the other PIDs and
 their children, removes ``DIR`` (the ranks' rendezvous folder, which the kernel would have removed) and exits;
 if the other PIDs are all gone first (the kernel stopped them), it just exits.
-
 """
 
 import os

@@ -148,7 +148,6 @@ def px_cells(path: str) -> list[str]:
         if any(re.match(r"\s*(%%?[A-Za-z]|!)", line) for line in lines[1:]):
             raise ValueError(f"{path}: a %%px cell with IPython magics cannot run as a script:\n"
                              f"{cell.source}")
-
         cells.append(body)
     if not cells:
         raise ValueError(f"{path} has no %%px cells")

@@ -10,7 +10,6 @@ The command also gets a temporary folder of its own (``TMPDIR``), removed when i
 leaves in the temporary folder (torch's ``torchinductor_*`` cache, torchrun's ``torchelastic_*`` logs,
 pytest's ``pytest-of-*``) goes with it. The book's own code removes its temporary files itself; the tests
 check that.
-
 """
 
 import ctypes

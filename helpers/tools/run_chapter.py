@@ -44,7 +44,6 @@ def main(argv: list[str]) -> int:
     verdict = "failed" if status else "passed"
     print(f"{os.path.relpath(path, ROOT)}: {verdict} in {time.monotonic() - started:.1f} s; "
           f"executed notebook: {os.path.relpath(out, ROOT)}")
-
     return status
 
 

@@ -24,7 +24,6 @@ def _script_key(script) -> tuple:
             tuple(sorted((k, str(v)) for k, v in attributes.items())))
 
 
-
 def _each_script_once(app, pagename, templatename, context, doctree) -> None:
     seen, unique = set(), []
     for script in context.get("script_files", []):
