@@ -57,7 +57,8 @@ def _data_parallel_step(cfg, x, y, version, cap_bytes, micro_batches=1):
     from helpers.data import rank_rows
     from helpers.model import GPT
     from helpers.parallel import collectives, data_parallel
-    from helpers.parallel.ledger import LEDGER, expected_bytes
+    from helpers.parallel.collective_costs import expected_bytes
+    from helpers.parallel.ledger import LEDGER
 
     rank, world_size = dist.get_rank(), dist.get_world_size()
     xs, ys = rank_rows(x, rank, world_size), rank_rows(y, rank, world_size)

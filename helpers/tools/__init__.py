@@ -1,2 +1,2 @@
-"""What only ``make`` runs: the book build, one chapter's run, the torchrun export, the reaper and the janitor,
+"""What only ``make`` runs: the book build, one chapter's run, the torchrun export, the reaper, the janitor,
 the Sphinx fixes and the browser test."""
