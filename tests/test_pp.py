@@ -4,9 +4,11 @@ small run of each schedule on two ranks.
 The schedule tests run in this process, in exact fractions: the simulator reproduces every bubble and
 peak-memory formula, and a broken schedule raises a ScheduleError naming the rank, the action and the
 micro-batch. The split backward (I, then W) is checked against the whole backward in this process: the same
-gradients, and between them exactly its FLOPs. The distributed test starts two ranks, runs each schedule on a
-small GPT, and compares the gradients with the single process here, and the activations each rank kept,
-measured by saved-tensor hooks, with the formulas.
+gradients bit for bit, and between them exactly its FLOPs; the model's chunks in a row are the model bit for
+bit. The distributed test starts two ranks, runs each schedule on a small GPT, and compares the loss (within
+1e-6 relative) and the gradients (within rtol 1e-6 of each tensor's largest entry: fp32 rounding) with the
+single process here, and the activations each rank kept, measured by saved-tensor hooks, and the bytes each
+rank sent and received with the formulas, exactly. Fixed stage times change no gradient, bit for bit.
 """
 
 from dataclasses import replace
@@ -16,13 +18,15 @@ import ipyparallel as ipp
 import pytest
 import torch
 
+from conftest import assert_close_to_scale, seeded_batch, small_config
 from helpers import measure
-from helpers.parallel import pipeline_parallel
-from helpers.parallel import pipeline_schedules
-from helpers.model import GPT, GPTConfig
+from helpers.model import GPT
+from helpers.parallel import pipeline_parallel, pipeline_schedules
 
-CFG = GPTConfig(vocab_size=16, seq_len=8, n_layers=4, d_model=32, n_heads=4, n_kv_heads=2, d_ff=64,
-                tie_embeddings=False)
+CFG = small_config(n_layers=4, tie_embeddings=False)
+M = 4  # micro-batches of one sequence: the global batch of the two-rank tests
+X, Y = seeded_batch(CFG, M)
+RTOL = 1e-6
 
 SIZES = [(2, 2), (2, 6), (3, 3), (3, 9), (4, 8), (4, 12), (8, 16), (8, 24)]
 
@@ -131,7 +135,7 @@ def test_the_chunks_in_a_row_are_the_reference_bit_for_bit(n_chunks):
     for c in chunks:
         for n, p in c.reference_names().items():
             assert torch.equal(p, full[n]) and p is not full[n], n  # a copy, equal
-    x = torch.randint(0, CFG.vocab_size, (2, CFG.seq_len), generator=torch.Generator().manual_seed(0))
+    x, _ = seeded_batch(CFG, 2)
     h = x
     for c in chunks:
         h = c(h)
@@ -204,18 +208,14 @@ def test_saved_activations_follow_autograd_from_forward_to_the_last_backward():
 
 
 @ipp.interactive  # sent by value: the engines cannot import this test module
-def _pipeline_step(cfg, schedule, stage_seconds=None):
-    import torch
+def _pipeline_step(cfg, schedule, x, y, stage_seconds=None):
     import torch.distributed as dist
 
+    from helpers.model import GPT
     from helpers.parallel import pipeline_parallel
     from helpers.parallel.ledger import LEDGER
-    from helpers.model import GPT
 
     rank = dist.get_rank()
-    gen = torch.Generator().manual_seed(0)
-    x = torch.randint(0, cfg.vocab_size, (4, cfg.seq_len), generator=gen)
-    y = torch.randint(0, cfg.vocab_size, (4, cfg.seq_len), generator=gen)
     base = GPT(cfg, seed=0)
     chunks = {c: pipeline_parallel.PipelineChunk(base, c, schedule.n_chunks)
               for c in schedule.chunks_of(rank)}
@@ -227,36 +227,32 @@ def _pipeline_step(cfg, schedule, stage_seconds=None):
 
 
 def test_every_schedule_on_two_ranks_matches_the_single_process(ranks):
-    gen = torch.Generator().manual_seed(0)
-    x = torch.randint(0, CFG.vocab_size, (4, CFG.seq_len), generator=gen)
-    y = torch.randint(0, CFG.vocab_size, (4, CFG.seq_len), generator=gen)
     reference = GPT(CFG, seed=0)
-    loss = reference(x, y)[1]
+    loss = reference(X, Y)[1]
     loss.backward()
+    want = {n: p.grad for n, p in reference.named_parameters()}
     activation_bytes = 1 * CFG.seq_len * CFG.d_model * 4
     per_layer = measure.saved_bytes_per_layer(CFG, 1, CFG.seq_len)
-    for s in [pipeline_schedules.gpipe(2, 4), pipeline_schedules.one_f_one_b(2, 4),
-              pipeline_schedules.interleaved_1f1b(2, 4, 2), pipeline_schedules.zb_h1(2, 4)]:
-        results = ranks.apply(_pipeline_step, CFG, s)
+    for s in [pipeline_schedules.gpipe(2, M), pipeline_schedules.one_f_one_b(2, M),
+              pipeline_schedules.interleaved_1f1b(2, M, 2), pipeline_schedules.zb_h1(2, M)]:
+        results = ranks.apply(_pipeline_step, CFG, s, X, Y)
         losses = results[s.placement[-1]][0]
-        assert sum(losses.values()) / 4 == pytest.approx(loss.item(), rel=1e-6), s.name
+        assert sum(losses.values()) / M == pytest.approx(loss.item(), rel=1e-6), s.name
         grads = {n: g for _, per_rank, _, _, _ in results for n, g in per_rank.items()}
-        assert sorted(grads) == sorted(n for n, _ in reference.named_parameters())
-        for name, p in reference.named_parameters():
-            error = (grads[name] - p.grad).abs().max().item()
-            assert error <= 1e-6 * p.grad.abs().max().item(), (s.name, name)
+        assert_close_to_scale(grads, want, RTOL, f"{s.name}, the two stages' gradients:")
         v = len(s.chunks_of(0))
         unit = per_layer * CFG.n_layers // s.n_chunks  # one micro-batch through one chunk
-        peaks = [pipeline_schedules.peak_alive_formula(s.name, 2, 4, r, v) * unit for r in range(2)]
+        peaks = [pipeline_schedules.peak_alive_formula(s.name, 2, M, r, v) * unit for r in range(2)]
         assert [r[2] for r in results] == [(peak, 0) for peak in peaks]
         assert [r[3] for r in results] == [pipeline_schedules.expected_p2p_bytes(s, r, activation_bytes)
                                            for r in range(2)]
 
 
 def test_fixed_stage_seconds_pad_every_action_and_keep_the_gradients(ranks):
-    s = pipeline_schedules.zb_h1(2, 4)
+    s = pipeline_schedules.zb_h1(2, M)
     seconds = {"F": 0.004, "B": 0.008, "I": 0.004, "W": 0.004}
-    plain, padded = ranks.apply(_pipeline_step, CFG, s), ranks.apply(_pipeline_step, CFG, s, seconds)
+    plain = ranks.apply(_pipeline_step, CFG, s, X, Y)
+    padded = ranks.apply(_pipeline_step, CFG, s, X, Y, seconds)
     for r in range(2):
         for name, g in plain[r][1].items():
             assert torch.equal(padded[r][1][name], g), name
@@ -265,9 +261,9 @@ def test_fixed_stage_seconds_pad_every_action_and_keep_the_gradients(ranks):
 
 
 def test_a_deadlocking_schedule_fails_on_the_ranks_without_a_hang(ranks):
-    good = pipeline_schedules.one_f_one_b(2, 4)
+    good = pipeline_schedules.one_f_one_b(2, M)
     swap = [tuple(pipeline_schedules.Action(a.kind, r, a.micro_batch) for a in good.actions[1 - r])
             for r in range(2)]
-    bad = pipeline_schedules.Schedule("1F1B", 2, 4, good.placement, tuple(swap))  # warm-up counts reversed
+    bad = pipeline_schedules.Schedule("1F1B", 2, M, good.placement, tuple(swap))  # warm-up counts reversed
     with pytest.raises(ipp.error.CompositeError, match="deadlock"):
-        ranks.apply(_pipeline_step, CFG, bad)
+        ranks.apply(_pipeline_step, CFG, bad, X, Y)
