@@ -1,8 +1,10 @@
-"""The built book in a real browser, offline, at a laptop's and a phone's width (helpers/tools/browser_check.py).
+"""The built book in a real browser, offline, at a laptop's and a phone's width
+(helpers/tools/browser_check.py).
 
 Runs after the build (`make test` = unit, build, browser). The first test checks every page of `_build/html`
-and keeps the screenshots in `_build/screenshots`; the others plant one defect each in a copy of a chapter
-page and check that the browser check catches it, so a pass means something.
+and keeps the screenshots in `_build/screenshots`; the others plant one defect each in its own copy of a
+chapter page (all copies in one copy of the site, checked in one browser run) and check that the browser check
+catches it, so a pass means something.
 """
 
 import os
@@ -11,9 +13,9 @@ import shutil
 
 import pytest
 
+from helpers import ROOT
 from helpers.tools import browser_check
 
-from helpers import ROOT
 SITE = os.path.join(ROOT, "_build", "html")
 PAGE = "notebooks/02_collectives.html"
 
@@ -30,28 +32,6 @@ def site():
     return SITE
 
 
-def failures(root: str, page: str = PAGE) -> list[str]:
-    return [f"{r.width}: {line}" for r in browser_check.check_site(root, only=[page]) for line in r.failures]
-
-
-@pytest.fixture
-def copy(site, tmp_path):
-    """A copy of the site to break, and a function that edits one page of it."""
-    root = str(tmp_path / "html")
-    shutil.copytree(site, root)
-
-    def edit(change, page=PAGE):
-        path = os.path.join(root, page)
-        with open(path, encoding="utf-8") as f:
-            before = f.read()
-        after = change(before)
-        assert after != before, "the planted defect changed nothing"
-        with open(path, "w", encoding="utf-8") as f:
-            f.write(after)
-
-    return root, edit
-
-
 def test_every_page_works_offline_at_both_widths(site):
     shots = os.path.join(ROOT, "_build", "screenshots")
     shutil.rmtree(shots, ignore_errors=True)
@@ -63,54 +43,74 @@ def test_every_page_works_offline_at_both_widths(site):
     assert len(os.listdir(shots)) == 2 * len(pages)
 
 
-def test_mathjax_from_a_cdn_is_caught(copy):
-    root, edit = copy
-    edit(lambda html: html.replace('src="../_static/mathjax/tex-chtml.js"',
-                                   'src="https://cdn.jsdelivr.net/npm/mathjax@3/es5/tex-chtml.js"'))
-    found = "\n".join(failures(root))
+HIDDEN_MENU_BUTTON = r'\1<button class="sidebar-toggle primary-toggle" style="display:none"></button>'
+UNWRAPPED_CODE = "<style>div.cell_output pre, div.highlight pre { white-space: pre !important; }</style>"
+# One defect per copy of PAGE, each copy beside it (so its relative links still resolve): how to plant it.
+DEFECTS = {
+    "mathjax from a cdn": lambda html: html.replace(
+        'src="../_static/mathjax/tex-chtml.js"', 'src="https://cdn.jsdelivr.net/npm/mathjax@3/es5/tex-chtml.js"'),
+    "a deleted figure": lambda html: re.sub(r'(<img[^>]+src="\.\./_images/)[^"]+"', r'\1deleted.png"', html,
+                                            count=1),
+    "a figure without alt text": lambda html: re.sub(r'(<img[^>]+)alt="[^"]*"',
+                                                     r'\1alt="0123456789abcdef0123.png"', html, count=1),
+    "a broken link": lambda html: html.replace('href="../book/roadmap.html"',
+                                               'href="../book/roadmap.html#no-such-anchor"', 1)
+                                      .replace('href="03_ddp.html"', 'href="03_no_such_chapter.html"', 1),
+    # the bug the theme had: a hidden second menu button earlier in the page takes the click handler
+    "a dead menu button": lambda html: re.sub(r"(<body[^>]*>)", HIDDEN_MENU_BUTTON, html, count=1),
+    "an output wider than the column": lambda html: html.replace("</head>", UNWRAPPED_CODE + "</head>", 1),
+}
+
+
+@pytest.fixture(scope="module")
+def planted(site, tmp_path_factory):
+    """What the browser check reports on each planted page: one copy of the site, one browser run."""
+    root = str(tmp_path_factory.mktemp("planted") / "html")
+    shutil.copytree(site, root)
+    with open(os.path.join(root, PAGE), encoding="utf-8") as f:
+        page = f.read()
+    pages = {}
+    for defect, plant in DEFECTS.items():
+        broken = plant(page)
+        assert broken != page, f"planting {defect} changed nothing"
+        rel = PAGE.replace(".html", "_" + re.sub(r"\W+", "_", defect) + ".html")
+        with open(os.path.join(root, rel), "w", encoding="utf-8") as f:
+            f.write(broken)
+        pages[rel] = defect
+    found = {defect: [] for defect in DEFECTS}
+    for r in browser_check.check_site(root, only=list(pages)):
+        found[pages[r.page]] += [f"{r.width}: {line}" for line in r.failures]
+    return {defect: "\n".join(lines) for defect, lines in found.items()}
+
+
+def test_mathjax_from_a_cdn_is_caught(planted):
+    found = planted["mathjax from a cdn"]
     assert "request leaves the machine: https://cdn.jsdelivr.net" in found, found
     assert "formula not typeset" in found or "no MathJax" in found, found
 
 
-def test_a_deleted_figure_is_caught(copy):
-    root, _ = copy
-    with open(os.path.join(root, PAGE), encoding="utf-8") as f:
-        figure = re.search(r'<img[^>]+src="\.\./(_images/[^"]+)"', f.read()).group(1)
-    os.remove(os.path.join(root, figure))
-    found = "\n".join(failures(root))
-    assert f"image does not load: ../{figure}" in found, found
+def test_a_deleted_figure_is_caught(planted):
+    found = planted["a deleted figure"]
+    assert "image does not load: ../_images/deleted.png" in found, found
 
 
-def test_a_figure_without_alt_text_is_caught(copy):
-    root, edit = copy
-    edit(lambda html: re.sub(r'(<img[^>]+)alt="[^"]*"', lambda m: m.group(1) + 'alt="0123456789abcdef0123.png"',
-                             html, count=1))
-    found = "\n".join(failures(root))
+def test_a_figure_without_alt_text_is_caught(planted):
+    found = planted["a figure without alt text"]
     assert "figure without alt text: ../_images/" in found, found
 
 
-def test_a_broken_link_is_caught(copy):
-    root, edit = copy
-    edit(lambda html: html.replace('href="../book/roadmap.html"', 'href="../book/roadmap.html#no-such-anchor"', 1)
-         .replace('href="03_ddp.html"', 'href="03_no_such_chapter.html"', 1))
-    found = "\n".join(failures(root))
+def test_a_broken_link_is_caught(planted):
+    found = planted["a broken link"]
     assert "link to a missing anchor: roadmap.html#no-such-anchor" in found, found
     assert "link to a missing file: 03_no_such_chapter.html" in found, found
 
 
-def test_a_dead_menu_button_is_caught(copy):
-    """The bug the theme had: a hidden second ☰ earlier in the page takes the click handler."""
-    root, edit = copy
-    edit(lambda html: re.sub(r"(<body[^>]*>)", r'\1<button class="sidebar-toggle primary-toggle" '
-                             r'style="display:none"></button>', html, count=1))
-    found = "\n".join(failures(root))
+def test_a_dead_menu_button_is_caught(planted):
+    found = planted["a dead menu button"]
     assert "the menu button does not open the chapter list" in found, found
     assert "the menu button does not hide the chapter list" in found, found
 
 
-def test_an_output_wider_than_the_column_is_caught(copy):
-    root, edit = copy
-    edit(lambda html: html.replace("</head>", "<style>div.cell_output pre, div.highlight pre "
-                                   "{ white-space: pre !important; }</style></head>", 1))
-    found = "\n".join(failures(root))
+def test_an_output_wider_than_the_column_is_caught(planted):
+    found = planted["an output wider than the column"]
     assert "wider than the text column: pre" in found, found
