@@ -36,7 +36,7 @@ def tensor_parallel(tp: int, n_heads: int, n_kv_heads: int, d_ff: int, vocab_siz
     require_divides("tp", tp, "vocab_size", vocab_size, "pad the vocabulary to a multiple of tp", of)
     if seq_len is not None:
         require_divides("tp", tp, "seq_len", seq_len,
-                        "sequence parallelism gives each rank seq_len/tp tokens")
+                        "sequence parallelism gives each rank seq_len/tp tokens", of)
 
 
 def pipeline_parallel(n_chunks: int, n_layers: int, of: str = "") -> None:

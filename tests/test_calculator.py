@@ -197,6 +197,29 @@ def test_bad_layouts_name_the_constraint(layout, batch, message):
         budget(LLAMA3_8B, batch, layout)
 
 
+def _message(call) -> str:
+    with pytest.raises(ValueError) as err:
+        call()
+    return str(err.value)
+
+
+@pytest.mark.parametrize("tp, changes, sequence_parallel", [
+    (3, {}, False), (4, dict(n_heads=8, n_kv_heads=2), False), (2, dict(d_ff=63), False),
+    (2, dict(vocab_size=17), False), (2, dict(seq_len=7), True)])
+def test_the_calculator_and_the_module_refuse_a_layout_in_the_same_words(tp, changes, sequence_parallel):
+    """One rule, one sentence (helpers.layout_rules): the calculator adds only the model's name."""
+    from helpers.parallel import tensor_parallel
+
+    cfg = GPTConfig(vocab_size=16, seq_len=8, n_layers=2, d_model=32, n_heads=4, n_kv_heads=2, d_ff=64)
+    cfg = replace(cfg, **changes)
+    shape = ModelShape.from_gpt(cfg, name="the small GPT")
+    module = _message(lambda: tensor_parallel.check_layout(cfg, tp, sequence_parallel))
+    layout = Layout(tp=tp, sp=sequence_parallel)
+    calculator = _message(lambda: budget(shape, Batch(cfg.seq_len, 1, 1), layout))
+    broken, why = module.split(": ", 1)
+    assert calculator == f"{broken} of the small GPT: {why}", (calculator, module)
+
+
 def test_bad_layout_fields_are_refused_at_once():
     with pytest.raises(ValueError, match="needs tp > 1"):
         Layout(sp=True)
