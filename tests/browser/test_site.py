@@ -1,10 +1,10 @@
 """The built book in a real browser, offline, at a laptop's and a phone's width
 (helpers/tools/browser_check.py).
 
-Runs after the build (`make test` = unit, build, browser). The first test checks every page of `_build/html`
-and keeps the screenshots in `_build/screenshots`; the others plant one defect each in its own copy of a
-chapter page (all copies in one copy of the site) and check that the browser check
-catches it, so a pass means something.
+Runs after the build (`make test`: the unit tests beside the build, then this). The first test checks every
+page of `_build/html` and keeps the screenshots in `_build/screenshots`; the others plant one defect each in
+its own copy of a chapter page (all copies in one copy of the site) and check that the browser check catches
+it, so a pass means something.
 """
 
 import os
