@@ -12,6 +12,19 @@ A decoder-only transformer in plain PyTorch, in the shape vocabulary of chapter 
 
 Weights are drawn from a generator seeded by ``seed`` alone: the same seed gives the same model on every rank
 and in the kernel, whatever else used the global random state before.
+
+The model has seams, so that each parallelism is a transformation of this one model rather than a copy of it
+(as torchtitan's ``parallelize`` and picotron's ``apply_tensor_parallel`` are):
+
+- the attention *core* (``Attention.core``, causal SDPA by default) takes ``q, k, v`` as (batch, heads, time,
+  head_dim) and can be replaced (ring attention, Ulysses); head counts are read from the projections' outputs,
+  so a layer holding some of the heads runs the same forward;
+- ``Attention.project`` and ``MLP.project`` are the input projections, which tensor parallelism fuses into one
+  column-parallel layer;
+- positions and the loss are inputs of :meth:`GPT.forward` (a context-parallel rank passes its positions,
+  tensor parallelism sets a vocabulary-parallel ``loss_fn``);
+- the blocks are named by their index in the whole model (:class:`Blocks`), so a pipeline stage that keeps some
+  of them, and no embedding or no head (``None``), keeps the reference's names.
 """
 
 from __future__ import annotations
@@ -52,31 +65,40 @@ class GPTConfig:
         return self.d_model // self.n_heads
 
 
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Causal scaled dot-product attention; each of the ``k.shape[1]`` KV heads serves ``n_rep`` query heads."""
+    n_rep = q.shape[1] // k.shape[1]  # query heads per KV head
+    k, v = k.repeat_interleave(n_rep, dim=1), v.repeat_interleave(n_rep, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
 class Attention(nn.Module):
-    """Causal self-attention over ``n_heads`` query heads and ``n_kv_heads`` key/value heads."""
+    """Self-attention over ``n_heads`` query heads and ``n_kv_heads`` key/value heads; ``core`` attends."""
 
     def __init__(self, d_model: int, n_heads: int, n_kv_heads: int, head_dim: int):
         super().__init__()
         if n_heads % n_kv_heads:
             raise ValueError(f"n_kv_heads={n_kv_heads} must divide n_heads={n_heads}")
-        self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
+        self.head_dim = head_dim
         self.q_proj = nn.Linear(d_model, n_heads * head_dim, bias=False)
         self.k_proj = nn.Linear(d_model, n_kv_heads * head_dim, bias=False)
         self.v_proj = nn.Linear(d_model, n_kv_heads * head_dim, bias=False)
         self.o_proj = nn.Linear(n_heads * head_dim, d_model, bias=False)
+        self.core = causal_attention
+
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.q_proj(x), self.k_proj(x), self.v_proj(x)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, _ = x.shape
-        q = self.q_proj(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        n_rep = self.n_heads // self.n_kv_heads  # query heads per KV head
-        k, v = k.repeat_interleave(n_rep, dim=1), v.repeat_interleave(n_rep, dim=1)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.o_proj(y.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim))
+        # (batch, time, heads * head_dim) -> (batch, heads, time, head_dim): as many heads as the weights give
+        q, k, v = (t.unflatten(-1, (-1, self.head_dim)).transpose(1, 2) for t in self.project(x))
+        y = self.core(q, k, v)
+        return self.o_proj(y.transpose(1, 2).flatten(2))
 
 
 class MLP(nn.Module):
+    """``down(gelu(up(x)))``, or with ``gated`` Llama's ``down(silu(gate(x)) * up(x))``."""
+
     def __init__(self, d_model: int, d_ff: int, gated: bool):
         super().__init__()
         self.gated = gated
@@ -84,10 +106,13 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(d_model, d_ff, bias=False) if gated else None
         self.down_proj = nn.Linear(d_ff, d_model, bias=False)
 
+    def project(self, x: torch.Tensor):
+        """The hidden layer's inputs: ``(gate, up)`` if gated, else ``up``."""
+        return (self.gate_proj(x), self.up_proj(x)) if self.gated else self.up_proj(x)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gated:
-            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-        return self.down_proj(F.gelu(self.up_proj(x)))
+        h = self.project(x)
+        return self.down_proj(F.silu(h[0]) * h[1] if self.gated else F.gelu(h))
 
 
 class Block(nn.Module):
@@ -103,37 +128,57 @@ class Block(nn.Module):
         return x + self.mlp(self.ln2(x))
 
 
+class Blocks(nn.ModuleDict):
+    """The transformer blocks, named ``"0"``, ``"1"``, … by their index in the whole model (torchtitan's
+    layout): a pipeline stage that deletes the others keeps the reference's parameter names. Indexing takes the
+    layer's number; iterating gives the blocks in order."""
+
+    def __getitem__(self, layer) -> nn.Module:
+        return super().__getitem__(str(layer))
+
+    def __iter__(self):
+        return iter(self.values())
+
+
 class GPT(nn.Module):
     def __init__(self, cfg: GPTConfig, seed: int = 0):
         super().__init__()
         self.cfg = cfg
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.pos_emb = nn.Embedding(cfg.seq_len, cfg.d_model)
-        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.blocks = Blocks({str(i): Block(cfg) for i in range(cfg.n_layers)})
         self.ln_f = nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps)
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.tok_emb.weight
+        self.loss_fn = cross_entropy
         init_weights(self, seed)
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, pos_offset: int = 0):
-        """Logits for ``idx`` (batch, time); with ``targets``, also the mean next-token cross-entropy.
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None,
+                positions: torch.Tensor | None = None, loss_fn=None):
+        """Logits for ``idx`` (batch, time); with ``targets``, also the loss (``loss_fn``, by default the
+        model's ``loss_fn``: the mean next-token cross-entropy).
 
-        ``pos_offset`` is the global position of ``idx[:, 0]`` (a rank holding a later slice of the
-        sequence passes its start).
+        ``positions`` are the global positions of ``idx``'s columns (by default ``0 … time-1``; a rank holding
+        part of the sequence passes its own). A model without ``tok_emb`` (a pipeline stage after the first)
+        takes activations for ``idx``; one without ``lm_head`` (before the last) returns activations.
         """
-        t = idx.shape[1]
-        if pos_offset + t > self.cfg.seq_len:
-            raise ValueError(f"positions {pos_offset}..{pos_offset + t - 1} exceed "
-                             f"seq_len={self.cfg.seq_len}")
-        pos = torch.arange(pos_offset, pos_offset + t, device=idx.device)
-        x = self.tok_emb(idx) + self.pos_emb(pos)
+        if self.tok_emb is None:
+            x = idx
+        else:
+            if positions is None:
+                positions = torch.arange(idx.shape[1], device=idx.device)
+            if positions.numel() and int(positions.max()) >= self.cfg.seq_len:
+                raise ValueError(f"position {int(positions.max())} is past seq_len={self.cfg.seq_len}")
+            x = self.tok_emb(idx) + self.pos_emb(positions)
         for block in self.blocks:
             x = block(x)
+        if self.lm_head is None:
+            return x
         logits = self.lm_head(self.ln_f(x))
         if targets is None:
             return logits
-        return logits, cross_entropy(logits, targets)
+        return logits, (loss_fn or self.loss_fn)(logits, targets)
 
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -52,8 +52,8 @@ def test_causal_prefix_property_and_positions():
     idx = torch.randint(0, 13, (2, 20))
     full = model(idx)
     assert torch.allclose(model(idx[:, :10]), full[:, :10], atol=1e-12)
-    with pytest.raises(ValueError, match="exceed seq_len=32"):
-        model(idx, pos_offset=20)
+    with pytest.raises(ValueError, match="position 39 is past seq_len=32"):
+        model(idx, positions=torch.arange(20, 40))
 
 
 @pytest.mark.parametrize("kwargs, message", [
