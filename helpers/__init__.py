@@ -19,7 +19,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the reposi
 CHAPTERS = {
     "00": (),  # the harness itself, at work: ranks, dist, checks, tools.px_script
     "01": ("helpers.model_size", "helpers.memory_budget", "helpers.time_model", "helpers.layout_rules"),
-    "02": ("helpers.parallel.ledger", "helpers.parallel.collectives", "helpers.parallel.collective_costs"),
+    "02": ("helpers.parallel.ledger", "helpers.parallel.collectives", "helpers.parallel.collective_costs",
+           "helpers.parallel.comms"),
     "03": ("helpers.parallel.data_parallel",),
     "04": ("helpers.parallel.zero",),
     "05": ("helpers.parallel.tensor_parallel_comms", "helpers.parallel.tensor_parallel"),
@@ -30,4 +31,4 @@ CHAPTERS = {
 
 # what every chapter uses and none teaches: ranks, checks, what a page shows, the reference model and data
 HARNESS = ("helpers.ranks", "helpers.dist", "helpers.checks", "helpers.errors", "helpers.exercises",
-           "helpers.show", "helpers.measure", "helpers.model", "helpers.data")
+           "helpers.show", "helpers.measure", "helpers.model", "helpers.data", "helpers.reference")

@@ -1,4 +1,4 @@
-"""The collectives chapters 03 onwards call (chapter 02's ledger): each ``torch.distributed`` call booked once.
+"""The collectives later chapters call (chapter 02): each ``torch.distributed`` call booked once in the ledger.
 
 Chapter 02 builds collectives from point-to-point messages; that is the lesson, and it stays there. Every later
 chapter calls ``torch.distributed``'s own through this module, so that each call is written into
