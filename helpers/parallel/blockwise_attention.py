@@ -10,9 +10,11 @@ the whole sequence's scores. This module is that arithmetic, on one process and 
 - :func:`block_attention_backward`: one block's gradients, recomputed from the final output's log-sum-exp
   (Dao et al. 2022, algorithm 2), so that backward keeps no block's probabilities;
 - :func:`score_blocks`: which parts of a block a causal ring computes, in halves of the local block, so that
-  a part entirely in its queries' future is skipped rather than computed and masked.
+  a part entirely in its queries' future is skipped rather than computed and masked;
+- :func:`ring_step` and :func:`ring_step_backward`: one step of the ring on the K/V block a rank holds, part
+  by part, with GQA's KV heads repeated for their query heads (:func:`expand_kv`, :func:`fold_kv`).
 
-The ring itself, the layouts and Ulysses are in :mod:`helpers.parallel.context_parallel`. Tensors are
+The ring's messages, the layouts and Ulysses are in :mod:`helpers.parallel.context_parallel`. Tensors are
 (batch, heads, positions, head_dim), as ``F.scaled_dot_product_attention`` takes them; ``q_pos`` and
 ``k_pos`` are the global positions of the queries and keys, which the causal mask compares.
 """
@@ -92,4 +94,43 @@ def score_blocks(layout: CPLayout, rank: int, owner: int, causal: bool):
     return [(whole, first)] if owner < rank else [(second, whole)]
 
 
-__all__ = ["block_attention", "merge", "block_attention_backward", "score_blocks"]
+def expand_kv(kv: torch.Tensor, n_rep: int) -> torch.Tensor:
+    """GQA: each KV head (dim 1) serves ``n_rep`` consecutive query heads."""
+    return kv.repeat_interleave(n_rep, dim=1)
+
+
+def fold_kv(grad: torch.Tensor, n_rep: int) -> torch.Tensor:
+    """The gradient of :func:`expand_kv`: the sum over the query heads that shared a KV head."""
+    b, h, s, d = grad.shape
+    return grad.view(b, h // n_rep, n_rep, s, d).sum(2)
+
+
+def ring_step(q, kv, out, lse, layout: CPLayout, rank: int, owner: int, causal: bool) -> None:
+    """One forward step: ``rank``'s queries over ``owner``'s K/V block (``kv`` = K and V stacked), the parts
+    :func:`score_blocks` names, merged into ``out`` and ``lse`` in place."""
+    n_rep = q.shape[1] // kv.shape[2]
+    q_pos, k_pos = layout.positions(rank), layout.positions(owner)
+    for rows, cols in score_blocks(layout, rank, owner, causal):
+        keys, values = (expand_kv(t, n_rep) for t in kv[..., cols, :])
+        block = block_attention(q[..., rows, :], keys, values, q_pos[rows], k_pos[cols], causal)
+        out[..., rows, :], lse[..., rows] = merge(out[..., rows, :], lse[..., rows], *block)
+
+
+def ring_step_backward(dout, delta, q, kv, lse, dq, layout: CPLayout, rank: int, owner: int, causal: bool):
+    """One backward step: adds this block's term of ``dq`` in place, and returns ``rank``'s term of the
+    gradient of ``owner``'s K/V block (dK and dV stacked)."""
+    n_rep = q.shape[1] // kv.shape[2]
+    q_pos, k_pos = layout.positions(rank), layout.positions(owner)
+    dkv = torch.zeros_like(kv)
+    for rows, cols in score_blocks(layout, rank, owner, causal):
+        keys, values = (expand_kv(t, n_rep) for t in kv[..., cols, :])
+        dq_part, dk, dv = block_attention_backward(dout[..., rows, :], delta[..., rows], q[..., rows, :],
+                                                   keys, values, lse[..., rows], q_pos[rows], k_pos[cols],
+                                                   causal)
+        dq[..., rows, :] += dq_part
+        dkv[..., cols, :] += torch.stack([fold_kv(dk, n_rep), fold_kv(dv, n_rep)])
+    return dkv
+
+
+__all__ = ["block_attention", "merge", "block_attention_backward", "score_blocks", "expand_kv", "fold_kv",
+           "ring_step", "ring_step_backward"]
