@@ -1,13 +1,17 @@
 """Context parallelism (chapter 07): layouts, the parts of each block ring attention computes, the
-online-softmax merge (helpers.parallel.blockwise_attention), the byte formulas, and one run on two ranks.
+online-softmax merge (helpers.parallel.blockwise_attention), the byte formulas, and runs on two ranks.
 
-The layout, block, merge and formula tests run in this process. The distributed test starts two ranks, runs
+The layout, block, merge and formula tests run in this process; the distributed ones on two ranks. One runs
 ring and Ulysses attention (forward and backward, causal and not, both layouts) on each, and compares what
 they return with PyTorch's single-process attention here, the FLOPs the ring really ran with the parts it
 should compute, the order of its transfers and computations, and the bytes: the ring's as counted by the
 ledger, Ulysses' from the all-to-alls torch ran. Attention runs in fp64, so the outputs and the gradients of
 q, k and v, merged by blocks here or computed on the ranks, match the reference entry by entry within
 rtol 1e-12, atol 1e-13 (torch.testing.assert_close); FLOPs, bytes, positions and order are compared exactly.
+Another makes the book's GPT context-parallel (``context_parallel.parallelize``, ``shard_sequence``,
+``average_gradients``) in fp64 and compares each rank's logits, the mean of the ranks' losses and the averaged
+gradients with one process's, within rtol 1e-12 of each tensor's largest entry; it also checks what
+``parallelize`` refuses (a layout for another degree than the group's, an unknown attention).
 """
 
 import ipyparallel as ipp
@@ -15,8 +19,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import small_config
+from conftest import assert_close_to_scale, seeded_batch, small_config
 from helpers import memory_budget, model_size
+from helpers.model import GPT
 from helpers.parallel import blockwise_attention, context_parallel
 
 
@@ -122,8 +127,10 @@ def test_blocks_merged_by_log_sum_exp_equal_attention_over_all_keys(causal):
         dq_block, dk, dv = blockwise_attention.block_attention_backward(
             upstream, delta, q, ke[:, :, keys], ve[:, :, keys], lse, pos, keys, causal)
         dq += dq_block
-        torch.testing.assert_close(context_parallel._fold(dk, 2), want_dk[:, :, keys], rtol=1e-12, atol=1e-13)
-        torch.testing.assert_close(context_parallel._fold(dv, 2), want_dv[:, :, keys], rtol=1e-12, atol=1e-13)
+        torch.testing.assert_close(blockwise_attention.fold_kv(dk, 2), want_dk[:, :, keys], rtol=1e-12,
+                                   atol=1e-13)
+        torch.testing.assert_close(blockwise_attention.fold_kv(dv, 2), want_dv[:, :, keys], rtol=1e-12,
+                                   atol=1e-13)
     torch.testing.assert_close(dq, want_dq, rtol=1e-12, atol=1e-13)
 
 
@@ -207,3 +214,56 @@ def test_two_ranks_match_the_single_process(ranks, kind, causal):
                 assert [op for op, *_ in calls] == ["alltoall_base_"] * 8
                 sent = sum(sizes[-1] * element_size / 2 for _, _, sizes, element_size in calls)
                 assert sent == context_parallel.ulysses_bytes(2, 12, 4, 2, 8, 2, 8)
+
+
+def test_an_unknown_attention_is_refused_with_the_choices():
+    with pytest.raises(ValueError, match="attention='flash' is not one of 'ring', 'ulysses'"):
+        context_parallel.parallelize(GPT(small_config()), context_parallel.CPLayout(8, 2), attention="flash")
+
+
+@ipp.interactive
+def _gpt_on_this_rank(cfg, x, y, kind, attention):
+    import copy
+
+    import torch.distributed as dist
+
+    from helpers import reference
+    from helpers.model import GPT
+    from helpers.parallel import context_parallel
+
+    try:  # a layout for four ranks on a group of two
+        context_parallel.parallelize(GPT(cfg), context_parallel.CPLayout(cfg.seq_len, 4))
+        refused = None
+    except ValueError as err:
+        refused = str(err)
+    group = dist.new_group([0, 1])  # a group, not the default: a process group cannot be deep-copied
+    layout = context_parallel.CPLayout(cfg.seq_len, dist.get_world_size(group), kind)
+    model = context_parallel.parallelize(GPT(cfg, seed=0).double(), layout, group, attention=attention)
+    model = copy.deepcopy(model)  # as a pipeline stage is cut: the core, and its group, are shared
+    xs, ys, positions = context_parallel.shard_sequence(x, y, layout, group)
+    logits, loss = model(xs, ys, positions=positions)
+    loss.backward()
+    context_parallel.average_gradients(model, group)
+    return positions, logits.detach(), loss.item(), reference.named_grads(model), refused
+
+
+@pytest.mark.parametrize("kind, attention", [("contiguous", "ring"), ("zigzag", "ring"),
+                                             ("contiguous", "ulysses"), ("zigzag", "ulysses")])
+def test_the_context_parallel_gpt_matches_one_process(ranks, kind, attention):
+    from helpers import reference
+
+    cfg = small_config(seq_len=16)
+    x, y = seeded_batch(cfg, rows=2)
+    single = GPT(cfg, seed=0).double()
+    want_logits, want_loss = single(x, y)
+    want_loss.backward()
+    results = ranks.apply(_gpt_on_this_rank, cfg, x, y, kind, attention)
+    for rank, (positions, logits, _, grads, refused) in enumerate(results):
+        assert torch.equal(positions, context_parallel.CPLayout(16, 2, kind).positions(rank))
+        assert_close_to_scale({"logits": logits}, {"logits": want_logits[:, positions].detach()}, 1e-12,
+                              f"{attention}, {kind}, rank {rank}")
+        assert_close_to_scale(grads, reference.named_grads(single), 1e-12,
+                              f"{attention}, {kind}, rank {rank}: gradients")
+        assert refused == "the layout is for cp=4 ranks, the group has 2", refused
+    mean_loss = sum(loss for _, _, loss, _, _ in results) / len(results)
+    assert abs(mean_loss - want_loss.item()) <= 1e-12 * abs(want_loss.item()), (mean_loss, want_loss.item())

@@ -6,10 +6,9 @@ there are two ways to bring them together:
 
 - **Ring attention** (Liu et al. 2023): each rank keeps its queries and passes its key/value block around the
   ring, one step per rank; partial results are merged with the online-softmax rule (Milakov and Gimelshein
-  2018), as FlashAttention merges tiles (Dao et al. 2022). The arithmetic of one step, a block of attention,
-  the merge and a block's backward, is in :mod:`helpers.parallel.blockwise_attention`. :class:`_RingAttention`
-  writes the backward pass by hand: the key/value blocks go round once more, and the gradients of each block
-  travel with it until they reach their owner.
+  2018), as FlashAttention merges tiles (Dao et al. 2022). The arithmetic of one step is in
+  :mod:`helpers.parallel.blockwise_attention`. :class:`_RingAttention` writes the backward pass by hand: the
+  key/value blocks go round once more, and the gradients of each block travel with it to their owner.
 - **Ulysses** (Jacobs et al. 2023): an all-to-all turns sequence-sharded Q, K, V into head-sharded ones, each
   rank computes whole attention for its heads over the whole sequence, and a second all-to-all turns the
   output back. The head count bounds its degree.
@@ -19,18 +18,20 @@ Under causal masking the contiguous layout gives the last rank about ``2cp - 1``
 one from the back) that evens it out, provided each ring step computes only the half-blocks
 :func:`~helpers.parallel.blockwise_attention.score_blocks` names: a block computed whole and then masked costs
 as much as an unmasked one. Each ring step posts the next block's transfer before it computes and waits after
-(:class:`RingTransfer`); :data:`EVENTS` records the order. :func:`cp_gpt_forward` runs the book's GPT on one
-rank's tokens with either attention plugged in.
+(:class:`RingTransfer`); :data:`EVENTS` records the order.
 
-Ring messages are *counted* in chapter 02's ledger, one :class:`~helpers.parallel.ledger.Message` per tensor
-sent or received. The all-to-alls are torch collectives, *booked* with
-:meth:`~helpers.parallel.ledger.Ledger.record` (the formula's bytes for the buffer passed);
-:class:`TorchCollectives` sees which torch collectives really ran, on which group, with which sizes.
+The book's GPT becomes context-parallel by a transformation: :func:`parallelize` sets every block's attention
+core, :func:`shard_sequence` gives a rank its tokens and their positions (which the model's forward takes),
+:func:`average_gradients` averages the ranks' gradients. Messages go through :mod:`helpers.parallel.comms`:
+the ring's are *counted* in the ledger, one per tensor sent or received; the all-to-alls are torch's,
+*booked* (the formula's bytes for the buffer passed). :class:`TorchCollectives` sees which torch collectives
+really ran, on which group, with which sizes.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from dataclasses import dataclass
 
@@ -40,10 +41,8 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from helpers import layout_rules
-from helpers.model import cross_entropy
-from helpers.parallel.blockwise_attention import (block_attention, block_attention_backward, merge,
-                                                  score_blocks)
-from helpers.parallel.ledger import LEDGER, Message
+from helpers.parallel import comms
+from helpers.parallel.blockwise_attention import expand_kv, ring_step, ring_step_backward
 
 HEAD_DIM, SEQ_DIM = 1, 2  # q, k, v are (batch, heads, sequence, head_dim), as F.scaled_dot_product_attention
 
@@ -93,22 +92,6 @@ def check_heads(n_heads: int, n_kv_heads: int, cp: int) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------------
-# GQA: each KV head serves n_rep query heads
-# ---------------------------------------------------------------------------------------------------------
-
-
-def _expand(kv: torch.Tensor, n_rep: int) -> torch.Tensor:
-    """GQA: each KV head serves ``n_rep`` consecutive query heads."""
-    return kv.repeat_interleave(n_rep, dim=HEAD_DIM)
-
-
-def _fold(grad: torch.Tensor, n_rep: int) -> torch.Tensor:
-    """The gradient of :func:`_expand`: sum over the query heads that shared a KV head."""
-    b, h, s, d = grad.shape
-    return grad.view(b, h // n_rep, n_rep, s, d).sum(2)
-
-
-# ---------------------------------------------------------------------------------------------------------
 # Ring attention
 # ---------------------------------------------------------------------------------------------------------
 
@@ -119,17 +102,21 @@ EVENTS: list[tuple[str, int, str, float]] = []
 "backward") with events "compute" and "computed"."""
 
 
+def _event(what: str, step: int, event: str) -> None:
+    EVENTS.append((what, step, event, time.perf_counter()))
+
+
 @contextlib.contextmanager
 def _computing(what: str, step: int):
-    EVENTS.append((what, step, "compute", time.perf_counter()))
+    _event(what, step, "compute")
     yield
-    EVENTS.append((what, step, "computed", time.perf_counter()))
+    _event(what, step, "computed")
 
 
 class RingTransfer:
     """One ring step in flight: ``t`` sent to the right neighbour, the left neighbour's block received.
 
-    Both messages are posted at once (``batch_isend_irecv``, so no rank waits for another to post) and counted
+    Both messages are posted at once (``comms.send_recv``, so no rank waits for another to post) and counted
     in chapter 02's ledger; :meth:`wait` returns the received block. Posting the next block's transfer before
     computing the current one, and waiting after, is the double buffering that lets the transfer run while the
     rank computes (Liu et al. 2023).
@@ -137,66 +124,31 @@ class RingTransfer:
 
     def __init__(self, t: torch.Tensor, what: str, step: int, group=None, tag: int = 0):
         rank, world_size = dist.get_rank(group), dist.get_world_size(group)
-        self.right, self.left = (rank + 1) % world_size, (rank - 1) % world_size
-        self.sent, self.received = t.contiguous(), torch.empty_like(t)
+        self.pending = comms.send_recv(t, (rank + 1) % world_size, (rank - 1) % world_size, group, tag=tag,
+                                       label="ring attention", phase=what, step=step, async_op=True)
         self.what, self.step = what, step
-        ops = [dist.P2POp(dist.isend, self.sent, _global(self.right, group), group=group, tag=tag),
-               dist.P2POp(dist.irecv, self.received, _global(self.left, group), group=group, tag=tag)]
-        self.works = dist.batch_isend_irecv(ops)
-        nbytes = self.sent.numel() * self.sent.element_size()
-        LEDGER.messages += [Message("ring attention", what, step, "send", self.right, nbytes),
-                            Message("ring attention", what, step, "recv", self.left, nbytes)]
-        EVENTS.append((what, step, "posted", time.perf_counter()))
+        _event(what, step, "posted")
 
     def wait(self) -> torch.Tensor:
-        if self.works:  # a gloo work waited for a second time waits for a message that never comes
-            try:
-                for work in self.works:
-                    work.wait()
-            except RuntimeError as err:
-                raise RuntimeError(f"{self.what}, step {self.step}: the transfer (send to {self.right}, "
-                                   f"receive from {self.left}) did not complete: {err}") from None
-            self.works = []
-            EVENTS.append((self.what, self.step, "arrived", time.perf_counter()))
-        return self.received
-
-
-def _global(rank: int, group) -> int:
-    return rank if group is None else dist.get_global_rank(group, rank)
+        received = self.pending.wait()
+        _event(self.what, self.step, "arrived")
+        return received
 
 
 class _RingAttention(torch.autograd.Function):
-    """Ring attention (Liu et al. 2023), forward and backward by hand, each transfer overlapped with a block.
-
-    Forward: ``cp`` steps; at each, post the transfer of the K/V block this rank holds to the right, score its
-    queries against that block (only the parts :func:`score_blocks` names), merge with the online-softmax
-    rule, then wait for the left neighbour's block. Only ``q``, the local ``k``, ``v``, the output and its
-    log-sum-exp are saved: the blocks that went by are not kept.
-
-    Backward: the K/V blocks go round again, posted as in forward. At step ``j`` a rank computes its term of
-    the gradient of the block it holds (that of rank ``r-j``); the block's gradient so far arrives from the
-    left, gets this term, and moves right while the next block is computed, so after ``cp-1`` passes it lands
-    on its owner, who adds its own. Per rank: ``cp-1`` K/V messages forward, ``cp-1`` K/V and ``cp-1`` dK/dV
-    messages backward.
-    """
+    """Ring attention (Liu et al. 2023), forward and backward by hand, each transfer hidden behind a block."""
 
     @staticmethod
     def forward(ctx, q, k, v, layout, causal, group):
+        """``cp`` steps: post the K/V block this rank holds to the right, attend to it (``ring_step``), wait
+        for the left neighbour's. Saved: ``q``, the local ``k``, ``v``, the output and its log-sum-exp."""
         rank, world_size = dist.get_rank(group), dist.get_world_size(group)
-        n_rep = q.shape[HEAD_DIM] // k.shape[HEAD_DIM]
-        q_pos = layout.positions(rank)
-        out = torch.zeros_like(q)
-        lse = torch.full(q.shape[:-1], float("-inf"), dtype=q.dtype)
+        out, lse = torch.zeros_like(q), torch.full(q.shape[:-1], float("-inf"), dtype=q.dtype)
         kv = torch.stack([k, v])  # one message per step
         for step in range(world_size):
-            owner = (rank - step) % world_size
             incoming = RingTransfer(kv, "forward K/V", step, group) if step + 1 < world_size else None
-            k_pos = layout.positions(owner)
             with _computing("forward", step):
-                for rows, cols in score_blocks(layout, rank, owner, causal):
-                    keys, values = (_expand(t, n_rep) for t in kv[..., cols, :])
-                    block = block_attention(q[..., rows, :], keys, values, q_pos[rows], k_pos[cols], causal)
-                    out[..., rows, :], lse[..., rows] = merge(out[..., rows, :], lse[..., rows], *block)
+                ring_step(q, kv, out, lse, layout, rank, (rank - step) % world_size, causal)
             if incoming is not None:
                 kv = incoming.wait()
         ctx.save_for_backward(q, k, v, out, lse)
@@ -205,28 +157,19 @@ class _RingAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout):
+        """The K/V blocks go round again. At step ``j`` a rank computes its term of the gradient of the block
+        it holds (rank ``r-j``'s); the block's gradient so far arrives from the left, gets this term and
+        moves right, so after ``cp-1`` passes it lands on its owner, who adds its own."""
         q, k, v, out, lse = ctx.saved_tensors
         layout, causal, group = ctx.layout, ctx.causal, ctx.group
         rank, world_size = dist.get_rank(group), dist.get_world_size(group)
-        n_rep = q.shape[HEAD_DIM] // k.shape[HEAD_DIM]
-        q_pos = layout.positions(rank)
-        delta = (dout * out).sum(-1)
-        dq = torch.zeros_like(q)
-        kv = torch.stack([k, v])
+        delta, dq, kv = (dout * out).sum(-1), torch.zeros_like(q), torch.stack([k, v])
         own = travelling = None
         for step in range(world_size):
-            owner = (rank - step) % world_size
             incoming = RingTransfer(kv, "backward K/V", step, group) if step + 1 < world_size else None
-            k_pos = layout.positions(owner)
-            dkv = torch.zeros_like(kv)
+            owner = (rank - step) % world_size
             with _computing("backward", step):
-                for rows, cols in score_blocks(layout, rank, owner, causal):
-                    keys, values = (_expand(t, n_rep) for t in kv[..., cols, :])
-                    dq_part, dk, dv = block_attention_backward(dout[..., rows, :], delta[..., rows],
-                                                               q[..., rows, :], keys, values, lse[..., rows],
-                                                               q_pos[rows], k_pos[cols], causal)
-                    dq[..., rows, :] += dq_part
-                    dkv[..., cols, :] += torch.stack([_fold(dk, n_rep), _fold(dv, n_rep)])
+                dkv = ring_step_backward(dout, delta, q, kv, lse, dq, layout, rank, owner, causal)
             if step == 0:
                 own = dkv  # this rank's term of its own block's gradient: it stays here
             else:  # the block's gradient so far came from the left; with this rank's term it moves on, tag 1
@@ -238,15 +181,20 @@ class _RingAttention(torch.autograd.Function):
         return dq, dkv[0], dkv[1], None, None, None
 
 
+def _check_group(layout: CPLayout, group) -> int:
+    world_size = dist.get_world_size(group)
+    if layout.cp != world_size:
+        raise ValueError(f"the layout is for cp={layout.cp} ranks, the group has {world_size}")
+    return world_size
+
+
 def ring_attention(q, k, v, layout: CPLayout, causal: bool = True, group=None) -> torch.Tensor:
     """This rank's attention output for its queries ``q`` over the keys of every rank (Liu et al. 2023).
 
     ``q`` is (batch, n_heads, s/cp, head_dim), ``k`` and ``v`` (batch, n_kv_heads, s/cp, head_dim), at the
     positions ``layout.positions(rank)``.
     """
-    if layout.cp != dist.get_world_size(group):
-        raise ValueError(f"the layout is for cp={layout.cp} ranks, the group has "
-                         f"{dist.get_world_size(group)}")
+    _check_group(layout, group)
     return _RingAttention.apply(q, k, v, layout, causal, group)
 
 
@@ -258,11 +206,8 @@ def ring_attention(q, k, v, layout: CPLayout, causal: bool = True, group=None) -
 def all_to_all(x: torch.Tensor, scatter_dim: int, gather_dim: int, group=None) -> torch.Tensor:
     """Cut ``x`` into ``cp`` pieces along ``scatter_dim``, send piece ``i`` to rank ``i``, and concatenate the
     pieces received along ``gather_dim``, in rank order."""
-    world_size = dist.get_world_size(group)
-    send = torch.stack(x.chunk(world_size, dim=scatter_dim)).contiguous()
-    received = torch.empty_like(send)
-    LEDGER.record("all_to_all", send, group)
-    dist.all_to_all_single(received, send, group=group)
+    pieces = torch.stack(x.chunk(dist.get_world_size(group), dim=scatter_dim))
+    received = comms.all_to_all(pieces, group, label="all_to_all")
     return torch.cat(received.unbind(0), dim=gather_dim)
 
 
@@ -290,13 +235,11 @@ def ulysses_attention(q, k, v, layout: CPLayout, causal: bool = True, group=None
     After the first all-to-all a rank holds ``n_heads/cp`` query heads and their ``n_kv_heads/cp`` KV heads
     for every position, in the order of the ranks' positions; attention on them is ordinary attention.
     """
-    world_size = dist.get_world_size(group)
-    if layout.cp != world_size:
-        raise ValueError(f"the layout is for cp={layout.cp} ranks, the group has {world_size}")
+    world_size = _check_group(layout, group)
     check_heads(q.shape[HEAD_DIM], k.shape[HEAD_DIM], world_size)
     q, k, v = (_AllToAll.apply(t, HEAD_DIM, SEQ_DIM, group) for t in (q, k, v))
     n_rep = q.shape[HEAD_DIM] // k.shape[HEAD_DIM]
-    k, v = _expand(k, n_rep), _expand(v, n_rep)
+    k, v = expand_kv(k, n_rep), expand_kv(v, n_rep)
     if causal and layout.kind != "contiguous":  # the gathered positions are not in order: mask by position
         pos = torch.cat([layout.positions(r) for r in range(world_size)])
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=pos[None, :] <= pos[:, None])
@@ -330,6 +273,54 @@ class TorchCollectives(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+
+# ---------------------------------------------------------------------------------------------------------
+# The book's GPT, context-parallel
+# ---------------------------------------------------------------------------------------------------------
+
+
+class CPCore(functools.partial):
+    """``Attention.core`` for ring or Ulysses attention; a deep copy of the model (a pipeline stage) shares
+    it, as a process group cannot be copied."""
+
+    def __deepcopy__(self, memo):
+        return self
+
+
+def parallelize(model, layout: CPLayout, group=None, attention: str = "ring"):
+    """Make the book's GPT context-parallel over ``group``, in place, and return it: every block's attention
+    core becomes causal ring or Ulysses attention with ``layout``; weights stay whole. Works on a pipeline
+    stage, and before or after tensor parallelism (the core attends over the heads a rank holds)."""
+    attentions = {"ring": ring_attention, "ulysses": ulysses_attention}
+    if attention not in attentions:
+        raise ValueError(f"attention={attention!r} is not one of {', '.join(map(repr, attentions))}")
+    _check_group(layout, group)
+    if attention == "ulysses":
+        check_heads(model.cfg.n_heads, model.cfg.n_kv_heads, layout.cp)
+    for block in model.blocks:
+        block.attn.core = CPCore(attentions[attention], layout=layout, causal=True, group=group)
+    return model
+
+
+def shard_sequence(x: torch.Tensor, y: torch.Tensor, layout: CPLayout, group=None):
+    """This rank's columns of the inputs ``x`` and targets ``y`` (batch, seq_len), and their global positions,
+    which the model's forward takes as ``positions``."""
+    if x.shape[1] != layout.seq_len or y.shape != x.shape:
+        raise ValueError(f"inputs {tuple(x.shape)}, targets {tuple(y.shape)}: the layout is for "
+                         f"sequences of {layout.seq_len}")
+    positions = layout.positions(dist.get_rank(group))
+    return x[:, positions], y[:, positions], positions
+
+
+def average_gradients(model, group=None) -> None:
+    """Each gradient averaged over the group: each rank's loss is the mean over its tokens, and every rank has
+    as many, so the mean of the ranks' gradients is the gradient of the mean over the whole sequence."""
+    world_size = dist.get_world_size(group)
+    for p in model.parameters():
+        if p.grad is not None:
+            comms.all_reduce(p.grad, group).div_(world_size)
+
+
 # ---------------------------------------------------------------------------------------------------------
 # What each sends: the formulas
 # ---------------------------------------------------------------------------------------------------------
@@ -349,32 +340,3 @@ def ulysses_bytes(batch: int, seq_len: int, n_heads: int, n_kv_heads: int, head_
     local = batch * seq_len / cp * (2 * n_heads + 2 * n_kv_heads) * head_dim * element_size
     return 2 * (cp - 1) / cp * local
 
-
-# ---------------------------------------------------------------------------------------------------------
-# The book's GPT on one rank's tokens
-# ---------------------------------------------------------------------------------------------------------
-
-
-def _attention(attn, x, core):
-    """The book's attention layer (helpers.model.Attention) with its core replaced by ``core(q, k, v)``."""
-    b, t, _ = x.shape
-    q = attn.q_proj(x).view(b, t, attn.n_heads, attn.head_dim).transpose(1, 2)
-    k = attn.k_proj(x).view(b, t, attn.n_kv_heads, attn.head_dim).transpose(1, 2)
-    v = attn.v_proj(x).view(b, t, attn.n_kv_heads, attn.head_dim).transpose(1, 2)
-    y = core(q, k, v)
-    return attn.o_proj(y.transpose(1, 2).reshape(b, t, attn.n_heads * attn.head_dim))
-
-
-def cp_gpt_forward(model, idx, targets, positions, core):
-    """The book's GPT on this rank's tokens ``idx`` at global ``positions``: logits and this rank's mean loss.
-
-    Weights are whole on every rank; only attention talks to the other ranks, through ``core``. The loss is
-    the mean over this rank's tokens: averaging the ranks' gradients (every rank has as many tokens) gives the
-    gradient of the mean over the whole sequence.
-    """
-    x = model.tok_emb(idx) + model.pos_emb(positions)
-    for block in model.blocks:
-        x = x + _attention(block.attn, block.ln1(x), core)
-        x = x + block.mlp(block.ln2(x))
-    logits = model.lm_head(model.ln_f(x))
-    return logits, cross_entropy(logits, targets)
