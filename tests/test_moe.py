@@ -4,7 +4,10 @@ The routing, loss and layout tests run in this process; the grouped matmul match
 within rtol 1e-6, atol 1e-6. The distributed tests start two ranks, run an expert-parallel MoE GPT forward and
 backward on each (dispatch and combine by all-to-all), and compare with the single process here: the rows
 each rank receives and the tokens dropped exactly, the logits within 1e-6 absolute, the loss within 1e-6
-relative, and every gradient within rtol 1e-6 of its tensor's largest entry (fp32 rounding).
+relative, and every gradient within rtol 1e-6 of its tensor's largest entry (fp32 rounding). Expert
+parallelism takes its rank and size from the group it is given: on a group of both ranks made by
+``new_group``, and on two groups of one rank each, a layer's output matches the single process within 1e-6
+absolute.
 """
 
 from dataclasses import asdict, replace
@@ -16,6 +19,7 @@ import torch
 from conftest import assert_close_to_scale, seeded_batch, small_config
 from helpers.parallel import expert_parallel, moe
 from helpers.parallel.collective_costs import all_to_all_bytes
+from helpers.reference import named_grads
 
 # the tests' small GPT, its MLPs four experts of d_ff 32; capacity factor 1 drops tokens
 CFG = moe.MoEConfig(**asdict(small_config(d_ff=32)), n_experts=4, top_k=2, capacity_factor=1.0)
@@ -36,8 +40,6 @@ def test_a_bad_config_names_the_broken_constraint(changes, message):
 def test_a_bad_layout_names_the_broken_constraint():
     with pytest.raises(ValueError, match="ep=3 must divide n_experts=4"):
         expert_parallel.check_layout(CFG, 3)
-    with pytest.raises(ValueError, match="ep=3 must divide n_experts=4"):
-        expert_parallel.from_reference(moe.MoEGPT(CFG), 0, 3)
     expert_parallel.check_layout(CFG, 2)
 
 
@@ -120,15 +122,16 @@ def _expert_parallel_step(cfg, x, y):
     from torch import distributed
 
     from helpers.parallel import expert_parallel, moe
+    from helpers.reference import named_grads
 
     ep, rank = distributed.get_world_size(), distributed.get_rank()
-    model = expert_parallel.from_reference(moe.MoEGPT(cfg, seed=0, segments=ep), rank, ep)
+    model = expert_parallel.from_reference(moe.MoEGPT(cfg, seed=0, segments=ep))
     part = slice(rank * len(x) // ep, (rank + 1) * len(x) // ep)
     logits, loss = model(x[part], y[part])
     loss.backward()
     expert_parallel.finish_gradients(model)
     dropped = [layer.stats["dropped"] for layer in model.moe_layers()]
-    return logits.detach(), loss.item(), dropped, {n: p.grad for n, p in model.named_parameters()}
+    return logits.detach(), loss.item(), dropped, named_grads(model)
 
 
 @ipp.interactive
@@ -139,7 +142,7 @@ def _dispatch_one_layer(cfg, h):
     from helpers.parallel import expert_parallel, moe
 
     ep, rank = distributed.get_world_size(), distributed.get_rank()
-    layer = expert_parallel.ExpertParallelMoE.from_layer(moe.MoEGPT(cfg, seed=0).blocks[0].mlp, rank, ep)
+    layer = expert_parallel.ExpertParallelMoE.from_layer(moe.MoEGPT(cfg, seed=0).blocks[0].mlp)
     with torch.no_grad():
         layer(h[rank * len(h) // ep:(rank + 1) * len(h) // ep])
     return layer.stats
@@ -175,5 +178,41 @@ def test_two_ranks_match_the_single_process(ranks):
         assert torch.cat([r[2][i] for r in results]).tolist() == layer.stats["dropped"].tolist()
     assert sum(layer.stats["dropped"].sum().item() for layer in reference.moe_layers()) > 0  # capacity bites
     grads = expert_parallel.unshard_experts([r[3] for r in results])
-    want = {n: p.grad for n, p in reference.named_parameters()}
-    assert_close_to_scale(grads, want, RTOL, "expert parallel on two ranks, gradients:")
+    assert_close_to_scale(grads, named_grads(reference), RTOL, "expert parallel on two ranks, gradients:")
+
+
+@ipp.interactive
+def _layer_on_groups(cfg, h):
+    from dataclasses import replace
+
+    import torch
+    from torch import distributed
+
+    from helpers.parallel import expert_parallel, moe
+
+    rank = distributed.get_rank()
+    both = distributed.new_group([0, 1])
+    alone = [distributed.new_group([0]), distributed.new_group([1])][rank]  # every rank creates every group
+    outs = {}
+    for name, group, ep in (("both", both, 2), ("alone", alone, 1)):
+        layer = expert_parallel.ExpertParallelMoE.from_layer(moe.MoEGPT(cfg, seed=0).blocks[0].mlp, group)
+        with torch.no_grad():
+            outs[name] = layer(h[rank * len(h) // 2:(rank + 1) * len(h) // 2])
+    try:
+        expert_parallel.from_reference(moe.MoEGPT(replace(cfg, n_experts=3), seed=0), both)
+    except ValueError as err:
+        outs["refused"] = str(err)
+    return outs
+
+
+def test_expert_parallel_takes_rank_and_size_from_its_group(ranks):
+    h = torch.randn(4, CFG.seq_len, CFG.d_model, generator=torch.Generator().manual_seed(1))
+    results = ranks.apply(_layer_on_groups, CFG, h)
+    for r, out in enumerate(results):
+        assert "ep=2 must divide n_experts=3" in out.get("refused", ""), f"rank {r}: {out.get('refused')}"
+    for name, segments in (("both", 2), ("alone", 1)):  # alone: each rank is one group, holding every expert
+        reference = moe.MoEGPT(CFG, seed=0, segments=segments).blocks[0].mlp
+        with torch.no_grad():
+            want = reference(h) if segments == 2 else torch.cat([reference(half) for half in h.chunk(2)])
+        got = torch.cat([out[name] for out in results])
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-6, msg=lambda m: f"EP on group {name!r}: {m}")

@@ -1,18 +1,18 @@
 """Expert parallelism: dispatch and combine (chapter 08).
 
-Expert parallelism splits the experts of a :class:`helpers.parallel.moe.MoELayer` over ``ep`` ranks that hold
-different tokens: each rank routes its own tokens, sends every token to the rank of its expert by an
-all-to-all with uneven splits (the split sizes are exchanged first, :func:`exchange_counts`), computes its
-experts, and sends the results back by the reverse all-to-all (:class:`ExpertParallelMoE`). :class:`_AllToAll`
-is the autograd Function whose backward is the reverse all-to-all (GShard, Lepikhin et al. 2021). Each rank's
-tokens are one GShard segment, so the single-process layer reproduces the ranks' routing with
-``segments=ep``.
+Expert parallelism splits the experts of a :class:`helpers.parallel.moe.MoELayer` over the ``ep`` ranks of a
+group (rank and ``ep`` are the group's), which hold different tokens: each rank routes its own tokens, sends
+every token to the rank of its expert by an all-to-all with uneven splits (the split sizes are exchanged
+first, :func:`split_sizes`), computes its experts, and sends the results back by the reverse all-to-all
+(:meth:`ExpertParallelMoE.compute_experts`), all through :mod:`helpers.parallel.comms`. :class:`_AllToAll` is
+the autograd Function whose backward is the reverse all-to-all (GShard, Lepikhin et al. 2021). Each rank's
+tokens are one GShard segment, so the single-process layer reproduces the ranks' routing with ``segments=ep``.
 
-:func:`from_reference` builds one rank's expert-parallel copy of a :class:`helpers.parallel.moe.MoEGPT`, and
-:func:`finish_gradients` averages the non-expert gradients over the ranks, as DDP does. For the checks:
-:func:`dispatch_arrivals` says which tokens a single-process routing sends to a rank, in dispatch's order, and
-:func:`identify_rows` which token each row that arrived is; :func:`expert_shards` and :func:`unshard_experts`
-go between the reference's state and the ranks'.
+:func:`parallelize` swaps each block's MoE layer of a model for this rank's expert-parallel part, in place;
+:func:`from_reference` does it on a copy, and :func:`finish_gradients` averages the non-expert gradients over
+the ranks, as DDP does. For the checks: :func:`dispatch_arrivals` says which tokens a single-process routing
+sends to a rank, in dispatch's order, and :func:`identify_rows` which token each row that arrived is;
+:func:`expert_shards` and :func:`unshard_experts` go between the reference's state and the ranks'.
 """
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ import torch.distributed as dist
 from torch import nn
 
 from helpers import layout_rules
+from helpers.parallel import comms
 from helpers.parallel.data_parallel import bucketed_average
-from helpers.parallel.ledger import LEDGER
-from helpers.parallel.moe import MoEConfig, MoEGPT, MoELayer, sort_by_expert
+from helpers.parallel.moe import MoEConfig, MoEGPT, MoELayer
 
 
 def check_layout(cfg: MoEConfig, ep: int) -> None:
@@ -38,15 +38,6 @@ def check_layout(cfg: MoEConfig, ep: int) -> None:
 # ---------------------------------------------------------------------------------------------------------
 
 
-def _all_to_all(x: torch.Tensor, send: list[int], recv: list[int], group, label: str) -> torch.Tensor:
-    """``send[j]`` rows of ``x`` to rank ``j``, ``recv[j]`` rows from rank ``j``, in rank order; booked."""
-    x = x.contiguous()
-    out = x.new_empty((sum(recv), *x.shape[1:]))
-    LEDGER.record_all_to_all(label, x, send, recv, group)
-    dist.all_to_all_single(out, x, output_split_sizes=recv, input_split_sizes=send, group=group)
-    return out
-
-
 class _AllToAll(torch.autograd.Function):
     """An all-to-all with uneven splits; its backward is the reverse all-to-all, the split sizes swapped
     (GShard, Lepikhin et al. 2021): each row's gradient goes back to the rank the row came from."""
@@ -54,27 +45,29 @@ class _AllToAll(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, send, recv, group, label):
         ctx.send, ctx.recv, ctx.group, ctx.label = send, recv, group, label
-        return _all_to_all(x, send, recv, group, label)
+        return comms.all_to_all(x, group, send_splits=send, recv_splits=recv, label=label)
 
     @staticmethod
     def backward(ctx, grad):
-        back = _all_to_all(grad, ctx.recv, ctx.send, ctx.group, ctx.label + " (backward)")
+        back = comms.all_to_all(grad, ctx.group, send_splits=ctx.recv, recv_splits=ctx.send,
+                                label=ctx.label + " (backward)")
         return back, None, None, None, None
 
 
-def all_to_all(x, send: list[int], recv: list[int], group=None, label: str = "all_to_all") -> torch.Tensor:
-    return _AllToAll.apply(x, send, recv, group, label)
-
-
-def exchange_counts(per_expert: torch.Tensor, group=None) -> torch.Tensor:
-    """Send each rank how many rows it will get for each of its experts; return ``(ep, local experts)``: rows
-    that will arrive from each rank for each local expert. The all-to-all of rows needs these split sizes
-    first."""
+def split_sizes(counts: list[int], group=None):
+    """Dispatch's split sizes (rows to each rank, rows from each) and ``from_ranks``, the rows arriving per
+    (source rank, local expert): each rank tells every other how many rows go to each of its experts."""
     ep = dist.get_world_size(group)
-    received = torch.empty_like(per_expert)
-    LEDGER.record_all_to_all("moe_counts", per_expert.view(ep, -1), [1] * ep, [1] * ep, group)
-    dist.all_to_all_single(received, per_expert, group=group)
-    return received.view(ep, -1)
+    per_expert = torch.tensor(counts).view(ep, -1)  # rows to (destination rank, its expert)
+    from_ranks = comms.all_to_all(per_expert, group, label="moe_counts")
+    return per_expert.sum(-1).tolist(), from_ranks.sum(-1).tolist(), from_ranks
+
+
+def by_local_expert(from_ranks: torch.Tensor) -> torch.Tensor:
+    """The order that regroups the rows that arrived (by source rank, then expert) by expert alone."""
+    ep, n_local = from_ranks.shape
+    local_expert = torch.arange(n_local).repeat(ep).repeat_interleave(from_ranks.reshape(-1))
+    return torch.argsort(local_expert, stable=True)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -83,49 +76,39 @@ def exchange_counts(per_expert: torch.Tensor, group=None) -> torch.Tensor:
 
 
 class ExpertParallelMoE(MoELayer):
-    """Rank ``rank``'s part of a :class:`MoELayer` over ``ep`` ranks: the whole router, experts
-    ``rank·E/ep … (rank+1)·E/ep``, and this rank's own tokens (one GShard segment)."""
+    """This rank's part of a :class:`MoELayer` over the ``ep`` ranks of ``group``: the whole router, experts
+    ``rank·E/ep … (rank+1)·E/ep`` (``rank`` in the group), and this rank's own tokens (one GShard segment)."""
 
-    def __init__(self, cfg: MoEConfig, rank: int, ep: int, group=None, grouped: bool = True):
+    def __init__(self, cfg: MoEConfig, group=None, grouped: bool = True):
+        ep = dist.get_world_size(group)
         check_layout(cfg, ep)
         super().__init__(cfg, segments=1, grouped=grouped, n_local=cfg.n_experts // ep)
-        self.rank, self.ep, self.group = rank, ep, group
+        self.group = group
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        tokens = x.reshape(-1, x.shape[-1])
-        routing = self.route(tokens)
-        token, expert, gate = sort_by_expert(routing)
-        per_expert = torch.bincount(expert, minlength=self.cfg.n_experts)
-        from_ranks = exchange_counts(per_expert, self.group)  # (source rank, local expert)
-        send = per_expert.view(self.ep, -1).sum(-1).tolist()
-        recv = from_ranks.sum(-1).tolist()
-        arrived = all_to_all(tokens[token], send, recv, self.group, "moe_dispatch")
-        # arrived rows are ordered by source rank, then expert: regroup them by expert for the matmuls
-        n_local = from_ranks.shape[1]
-        local_expert = torch.arange(n_local).repeat(self.ep).repeat_interleave(from_ranks.reshape(-1))
-        order = torch.argsort(local_expert, stable=True)
-        rows = self.compute_experts(arrived[order], from_ranks.sum(0).tolist())
-        back = all_to_all(rows[torch.argsort(order)], recv, send, self.group, "moe_combine")
-        out = torch.zeros_like(tokens).index_add(0, token, back * gate.unsqueeze(-1).to(back.dtype))
-        self.record([routing])
-        # what the checks compare with the single process: the split sizes this rank gave dispatch, the
-        # counts the count exchange delivered, and the rows dispatch's all_to_all_single delivered
-        self.stats.update(send=torch.tensor(send), from_ranks=from_ranks, arrived=arrived.detach(),
-                          received=from_ranks.sum(0))
-        return out.view_as(x)
+    def compute_experts(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """Rows sorted by expert to their experts' ranks (dispatch), through the experts there, and back in
+        the order they left (combine)."""
+        send, recv, from_ranks = split_sizes(counts, self.group)
+        arrived = _AllToAll.apply(rows, send, recv, self.group, "moe_dispatch")
+        order = by_local_expert(from_ranks)
+        out = super().compute_experts(arrived[order], from_ranks.sum(0).tolist())
+        self.dispatched = dict(send=torch.tensor(send), from_ranks=from_ranks, arrived=arrived.detach())
+        return _AllToAll.apply(out[torch.argsort(order)], recv, send, self.group, "moe_combine")
+
+    def record(self, routings) -> None:
+        # and for the checks: the split sizes given to dispatch, the counts received, the rows that arrived
+        super().record(routings)
+        self.stats.update(self.dispatched)
 
     def global_load(self) -> torch.Tensor:
-        load = self.stats["chosen"].sum(0).clone()
-        LEDGER.record("all_reduce", load, self.group)
-        dist.all_reduce(load, group=self.group)  # integers: exact
-        return load
+        return comms.all_reduce(self.stats["chosen"].sum(0), self.group)  # integers: exact
 
     @classmethod
-    def from_layer(cls, layer: MoELayer, rank: int, ep: int, group=None, grouped: bool | None = None):
+    def from_layer(cls, layer: MoELayer, group=None, grouped: bool | None = None):
         """This rank's copy of a single-process layer: its router and bias, and its slice of the experts."""
-        part = cls(layer.cfg, rank, ep, group, layer.grouped if grouped is None else grouped)
-        part = part.to(layer.router.weight.dtype)
-        n = layer.cfg.n_experts // ep
+        grouped = layer.grouped if grouped is None else grouped
+        part = cls(layer.cfg, group, grouped).to(layer.router.weight.dtype)
+        rank, n = dist.get_rank(group), part.experts.up_proj.weight.shape[0]
         with torch.no_grad():
             part.router.weight.copy_(layer.router.weight)
             part.expert_bias.copy_(layer.expert_bias)
@@ -171,14 +154,25 @@ def identify_rows(rows: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------------------------
 
 
-def from_reference(reference: MoEGPT, rank: int, ep: int, group=None, grouped: bool | None = None) -> MoEGPT:
-    """Rank ``rank``'s expert-parallel copy of ``reference``: everything replicated but the experts."""
-    check_layout(reference.cfg, ep)
-    model = MoEGPT(reference.cfg).to(reference.tok_emb.weight.dtype)
-    model.load_state_dict(reference.state_dict())
-    for block, ref_block in zip(model.blocks, reference.blocks):
-        block.mlp = ExpertParallelMoE.from_layer(ref_block.mlp, rank, ep, group, grouped)
+def parallelize(model: nn.Module, group=None, grouped: bool | None = None) -> nn.Module:
+    """Make ``model`` (a GPT or a pipeline stage of one) expert-parallel over ``group`` in place: each block's
+    :class:`MoELayer` becomes this rank's :class:`ExpertParallelMoE`. A dense model, or one already
+    expert-parallel, is refused."""
+    layers = [block for block in model.blocks if isinstance(block.mlp, MoELayer)]
+    if not layers or any(isinstance(block.mlp, ExpertParallelMoE) for block in layers):
+        raise ValueError("expert_parallel.parallelize needs blocks whose mlp is a single-process MoELayer "
+                         "(not a dense MLP, and not expert-parallel already)")
+    for block in layers:
+        block.mlp = ExpertParallelMoE.from_layer(block.mlp, group, grouped)
     return model
+
+
+def from_reference(reference: MoEGPT, group=None, grouped: bool | None = None) -> MoEGPT:
+    """This rank's expert-parallel copy of ``reference`` (left as it is): everything replicated but the
+    experts."""
+    model = MoEGPT(reference.cfg, grouped=reference.moe_layers()[0].grouped).to(reference.ln_f.weight.dtype)
+    model.load_state_dict(reference.state_dict())
+    return parallelize(model, group, grouped)
 
 
 def is_expert(name: str) -> bool:

@@ -10,7 +10,7 @@ A MoE layer replaces a transformer block's MLP with ``n_experts`` MLPs and a rou
   only to choose experts, nudged after each step by :func:`update_expert_bias`;
 - the experts: one weight tensor per projection with a leading expert dimension, computed on tokens sorted
   by expert, either by a loop over experts (:func:`experts_loop`) or one grouped matmul
-  (:func:`experts_grouped`).
+  (:func:`experts_grouped`), the results weighted back into the tokens' places by :func:`combine`.
 
 Capacity is GShard's: per expert and per *segment*, a slice of the batch routed on its own (GShard's "group").
 :class:`MoELayer` routes the batch in ``segments`` equal, consecutive slices, so with ``segments=ep`` one
@@ -122,14 +122,18 @@ def sort_by_expert(routing: Routing) -> tuple[torch.Tensor, torch.Tensor, torch.
     return token[order], expert[order], gate[order]
 
 
+def combine(rows: torch.Tensor, token: torch.Tensor, gate: torch.Tensor, tokens: torch.Tensor):
+    """Each token's output: its kept assignments' rows weighted by their gates, summed in its place."""
+    return torch.zeros_like(tokens).index_add(0, token, rows * gate.unsqueeze(-1).to(rows.dtype))
+
+
 # ---------------------------------------------------------------------------------------------------------
 # The experts
 # ---------------------------------------------------------------------------------------------------------
 
 
 class GroupedLinear(nn.Module):
-    """``n`` linear layers without bias in one ``(n, out, in)`` weight, each stored as ``nn.Linear`` stores
-    it."""
+    """``n`` linear layers without bias in one ``(n, out, in)`` weight, each laid out as ``nn.Linear``'s."""
 
     def __init__(self, n: int, in_features: int, out_features: int):
         super().__init__()
@@ -173,8 +177,9 @@ class MoELayer(nn.Module):
 
     The tokens are routed in ``segments`` equal, consecutive segments (GShard's groups: with expert
     parallelism, one per rank), each with its own expert capacity and auxiliary losses; the layer's losses
-    are the means over the segments. After a forward, ``aux_loss``, ``z_loss`` and ``stats`` hold what the
-    step needs.
+    are the means over the segments. A segment is routed, sorted by expert, computed (:meth:`compute_experts`,
+    which expert parallelism overrides) and combined. After a forward, ``aux_loss``, ``z_loss`` and ``stats``
+    hold what the step needs.
     """
 
     def __init__(self, cfg: MoEConfig, segments: int = 1, grouped: bool = True, n_local: int | None = None):
@@ -184,31 +189,32 @@ class MoELayer(nn.Module):
         self.experts = Experts(cfg.n_experts if n_local is None else n_local, cfg.d_model, cfg.d_ff)
         self.register_buffer("expert_bias", torch.zeros(cfg.n_experts))  # used to choose experts only
 
-    def route(self, tokens: torch.Tensor) -> Routing:
-        bias = self.expert_bias.to(torch.promote_types(tokens.dtype, torch.float32))
-        return route(self.router(tokens), self.cfg.top_k, expert_capacity(tokens.shape[0], self.cfg), bias)
-
-    def compute_experts(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        return (experts_grouped if self.grouped else experts_loop)(rows, counts, self.experts)
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         tokens = x.reshape(-1, x.shape[-1])
         if tokens.shape[0] % self.segments:
             raise ValueError(f"segments={self.segments} must divide the {tokens.shape[0]} tokens "
                              f"of the batch")
-        outs, routings = [], []
-        for segment in tokens.chunk(self.segments):
-            routing = self.route(segment)
-            token, expert, gate = sort_by_expert(routing)
-            counts = torch.bincount(expert, minlength=self.cfg.n_experts).tolist()
-            rows = self.compute_experts(segment[token], counts)
-            weighted = rows * gate.unsqueeze(-1).to(rows.dtype)
-            outs.append(torch.zeros_like(segment).index_add(0, token, weighted))
-            routings.append(routing)
+        outs, routings = zip(*(self.segment_forward(segment) for segment in tokens.chunk(self.segments)))
         self.record(routings)
         return torch.cat(outs).view_as(x)
 
-    def record(self, routings: list[Routing]) -> None:
+    def segment_forward(self, tokens: torch.Tensor) -> tuple[torch.Tensor, Routing]:
+        """One segment's tokens: route them, sort the kept assignments by expert, compute, combine."""
+        routing = self.route(tokens)
+        token, expert, gate = sort_by_expert(routing)
+        counts = torch.bincount(expert, minlength=self.cfg.n_experts).tolist()
+        rows = self.compute_experts(tokens[token], counts)
+        return combine(rows, token, gate, tokens), routing
+
+    def route(self, tokens: torch.Tensor) -> Routing:
+        bias = self.expert_bias.to(torch.promote_types(tokens.dtype, torch.float32))
+        return route(self.router(tokens), self.cfg.top_k, expert_capacity(tokens.shape[0], self.cfg), bias)
+
+    def compute_experts(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """Rows sorted by expert, ``counts[e]`` of them for expert ``e``, each through its expert."""
+        return (experts_grouped if self.grouped else experts_loop)(rows, counts, self.experts)
+
+    def record(self, routings) -> None:
         """Each segment's auxiliary losses (the layer's are their means) and counts, kept for checks and
         balancing."""
         self.aux_per_segment = torch.stack([load_balancing_loss(r.probs, r.expert) for r in routings])
@@ -236,9 +242,9 @@ class MoELayer(nn.Module):
 class MoEGPT(GPT):
     """:class:`helpers.model.GPT` with a :class:`MoELayer` in place of every block's MLP.
 
-    ``forward(idx, targets)`` returns the logits and the training loss: the cross-entropy (kept as
-    ``lm_loss``) plus ``aux_loss_coef`` times the load-balancing losses and ``z_loss_coef`` times the z-losses
-    of all layers.
+    ``forward`` is :meth:`GPT.forward`'s; with targets the loss is the language model's (``lm_loss``) plus
+    ``aux_loss_coef`` times the load-balancing losses and ``z_loss_coef`` times the z-losses of all layers
+    (none on a pipeline stage without ``lm_head``, which returns activations).
     """
 
     def __init__(self, cfg: MoEConfig, seed: int = 0, segments: int = 1, grouped: bool = True):
@@ -250,9 +256,9 @@ class MoEGPT(GPT):
     def moe_layers(self) -> list[MoELayer]:
         return [block.mlp for block in self.blocks]
 
-    def forward(self, idx, targets=None):
-        out = super().forward(idx, targets)
-        if targets is None:
+    def forward(self, idx, targets=None, positions=None, loss_fn=None):
+        out = super().forward(idx, targets, positions, loss_fn)
+        if targets is None or self.lm_head is None:
             return out
         logits, self.lm_loss = out
         aux = sum(layer.aux_loss for layer in self.moe_layers())
