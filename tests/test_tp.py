@@ -1,10 +1,13 @@
 """Tensor and sequence parallelism (chapter 05): layouts, shards, and one small run on two ranks.
 
-The layout and shard tests run in this process; sharding and unsharding give back every tensor bit for bit.
+The layout and shard tests run in this process, with a stand-in group that gives the layers their rank and
+size (building them needs no collective): sharding and unsharding give back every tensor bit for bit, and
+``parallelize`` refuses, before it changes anything, a layout that cannot work and a block it cannot split.
 The distributed test starts two ranks, runs a tensor-parallel (and a sequence-parallel) forward and backward
 of a small GPT on each, and compares what they return with the single process here, within fp32 rounding:
 each rank's vocabulary slice of the logits within 1e-6 absolute, the loss within 1e-6 relative, and every
-unsharded gradient within rtol 1e-6 of its tensor's largest entry. Without the all-reduce of the norms'
+unsharded gradient within rtol 1e-6 of its tensor's largest entry; two pipeline stages, each parallelized,
+give the whole model's logits (atol 1e-6). Without the all-reduce of the norms'
 gradients, sequence parallelism leaves one rank's gradient of the final norm more than 1e-3 (relative) from
 the reference in some entry, and the two ranks' shares sum to it (rtol 1e-5, atol 1e-7).
 """
@@ -14,14 +17,30 @@ from dataclasses import replace
 import ipyparallel as ipp
 import pytest
 import torch
+import torch.distributed as dist
 
 from conftest import assert_close_to_scale, seeded_batch, small_config
 from helpers.model import GPT
-from helpers.parallel import tensor_parallel
+from helpers.parallel import moe, tensor_parallel
+from helpers.reference import named_grads, named_params
 
 CFG = small_config()
 ROWS = 4  # the global batch; every rank runs all of it
 RTOL = 1e-6
+
+
+class StandInGroup:
+    """A process group's rank and size, as ``dist.get_rank(group)`` and ``dist.get_world_size(group)`` give
+    them under the ``stand_in`` fixture."""
+
+    def __init__(self, rank: int, size: int):
+        self.rank, self.size = rank, size
+
+
+@pytest.fixture
+def stand_in(monkeypatch):
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: group.rank)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: group.size)
 
 
 @pytest.mark.parametrize("cfg, tp_size, names", [
@@ -31,12 +50,28 @@ RTOL = 1e-6
     (replace(CFG, vocab_size=17), 2, "vocab_size=17"),
     (replace(CFG, seq_len=7), 2, "seq_len=7"),
 ])
-def test_a_bad_layout_names_the_broken_constraint(cfg, tp_size, names):
+def test_a_bad_layout_names_the_broken_constraint(stand_in, cfg, tp_size, names):
     sequence_parallel = "seq_len" in names
     with pytest.raises(ValueError, match=f"tp={tp_size} must divide {names}"):
         tensor_parallel.check_layout(cfg, tp_size, sequence_parallel)
+    model = GPT(cfg, seed=0)
+    before = named_params(model)
     with pytest.raises(ValueError, match=f"tp={tp_size} must divide {names}"):
-        tensor_parallel.TensorParallelGPT(cfg, 0, tp_size, sequence_parallel=sequence_parallel)
+        tensor_parallel.parallelize(model, StandInGroup(0, tp_size), sequence_parallel=sequence_parallel)
+    assert sorted(named_params(model)) == sorted(before)  # unchanged
+
+
+def test_a_block_it_cannot_split_is_refused_before_anything_changes(stand_in):
+    model = GPT(CFG, seed=0)
+    model.blocks[1].mlp = moe.MoELayer(moe.MoEConfig(**{**vars(CFG), "n_experts": 2, "top_k": 1}))
+    before = named_params(model)
+    with pytest.raises(ValueError, match=r"blocks\.1\.mlp is a \w+, not helpers\.model\.MLP"):
+        tensor_parallel.parallelize(model, StandInGroup(0, 2))
+    assert sorted(named_params(model)) == sorted(before)
+    assert type(model.blocks[0].attn) is not tensor_parallel.ParallelAttention
+    twice = tensor_parallel.parallelize(GPT(CFG, seed=0), StandInGroup(0, 2))
+    with pytest.raises(ValueError, match=r"blocks\.0\.attn is a ParallelAttention, not .*Attention"):
+        tensor_parallel.parallelize(twice, StandInGroup(0, 2))
 
 
 def test_a_good_layout_passes():
@@ -57,12 +92,15 @@ def test_sharding_then_unsharding_gives_back_every_tensor_bit_for_bit(cfg, tp_si
 
 
 @pytest.mark.parametrize("cfg", [CFG, replace(CFG, tie_embeddings=False), replace(CFG, gated=True)])
-def test_each_rank_holds_its_slice_under_the_plans_names(cfg):
+def test_each_rank_holds_its_slice_under_the_plans_names(stand_in, cfg):
     reference = GPT(cfg, seed=0)
     for rank in range(2):
-        model = tensor_parallel.from_reference(reference, rank, 2)
+        model = tensor_parallel.from_reference(reference, StandInGroup(rank, 2))
         params = dict(model.named_parameters())
         assert sorted(params) == sorted(tensor_parallel.shard_plan(cfg, 2))
+        full = dict(reference.named_parameters())
+        for name, shard in tensor_parallel.shard_state(full, cfg, rank, 2).items():
+            assert torch.equal(params[name], shard), name
         q_rows = cfg.n_heads * cfg.head_dim // 2
         qkv = params["blocks.0.attn.qkv_proj.weight"]
         assert torch.equal(qkv[:q_rows],
@@ -72,23 +110,59 @@ def test_each_rank_holds_its_slice_under_the_plans_names(cfg):
                            reference.blocks[1].mlp.down_proj.weight[:, rank * cols:(rank + 1) * cols])
         if cfg.tie_embeddings:
             assert model.lm_head.weight is model.tok_emb.weight
+        assert model.tok_emb.vocab_start == rank * cfg.vocab_size // 2
+
+
+def test_a_pipeline_stage_is_parallelized_and_an_attention_core_kept(stand_in):
+    def core(q, k, v):
+        raise AssertionError("not called here")
+
+    first, last = GPT(CFG, seed=0), GPT(CFG, seed=0)
+    first.ln_f = first.lm_head = None
+    del first.blocks["1"]
+    last.tok_emb = last.pos_emb = None
+    del last.blocks["0"]
+    last.blocks[1].attn.core = core
+    tensor_parallel.parallelize(first, StandInGroup(1, 2), sequence_parallel=True)
+    tensor_parallel.parallelize(last, StandInGroup(1, 2), sequence_parallel=True)
+    assert last.blocks[1].attn.core is core
+    plan = tensor_parallel.shard_plan(CFG, 2)
+    for stage in (first, last):
+        names = [n for n, _ in stage.named_parameters()]
+        assert set(names) - {"lm_head.weight"} <= set(plan), names  # a tied head on a later stage is its own
+    assert isinstance(last.lm_head, tensor_parallel.ColumnParallelLinear)
+    assert last.lm_head.weight.shape == (CFG.vocab_size // 2, CFG.d_model)
 
 
 @ipp.interactive  # sent by value: the engines cannot import this test module
 def _tensor_parallel_step(cfg, x, y, sequence_parallel, sync_norms):
-    import torch.distributed as dist
-
     from helpers.model import GPT
     from helpers.parallel import tensor_parallel
+    from helpers.reference import named_grads
 
-    rank, world_size = dist.get_rank(), dist.get_world_size()
-    model = tensor_parallel.from_reference(GPT(cfg, seed=0), rank, world_size,
-                                           sequence_parallel=sequence_parallel)
+    model = tensor_parallel.parallelize(GPT(cfg, seed=0), sequence_parallel=sequence_parallel)
     logits, loss = model(x, y)
     loss.backward()
     if sync_norms:
         tensor_parallel.allreduce_sequence_parallel_grads(model)
-    return logits.detach(), loss.item(), tensor_parallel.named_grads(model)
+    return logits.detach(), loss.item(), named_grads(model)
+
+
+@ipp.interactive
+def _two_stages(cfg, x, sequence_parallel):
+    import copy
+
+    from helpers.model import GPT
+    from helpers.parallel import tensor_parallel
+
+    reference = GPT(cfg, seed=0)
+    first, last = copy.deepcopy(reference), copy.deepcopy(reference)
+    first.ln_f = first.lm_head = None
+    del first.blocks["1"]
+    last.tok_emb = last.pos_emb = None
+    del last.blocks["0"]
+    first, last = (tensor_parallel.parallelize(s, sequence_parallel=sequence_parallel) for s in (first, last))
+    return last(first(x)).detach()
 
 
 @pytest.mark.parametrize("cfg", [CFG, replace(CFG, gated=True, tie_embeddings=False)],
@@ -106,7 +180,7 @@ def test_two_ranks_match_the_single_process(ranks, cfg, sequence_parallel):
         torch.testing.assert_close(got_logits, want.detach(), rtol=0, atol=1e-6)
         assert got_loss == pytest.approx(loss.item(), rel=1e-6)
     grads = tensor_parallel.unshard_state([g for _, _, g in results], cfg)
-    want = {n: p.grad for n, p in reference.named_parameters()}
+    want = named_grads(reference)
     what = f"gated={cfg.gated}, tie_embeddings={cfg.tie_embeddings}, sequence_parallel={sequence_parallel}"
     assert_close_to_scale(grads, want, RTOL, f"{what}, unsharded gradients:")
 
@@ -120,3 +194,12 @@ def test_sequence_parallel_without_the_norm_all_reduce_is_wrong(ranks):
     want = reference.ln_f.weight.grad
     assert not torch.allclose(partial[0], want, rtol=1e-3, atol=0)
     torch.testing.assert_close(partial[0] + partial[1], want, rtol=1e-5, atol=1e-7)  # the ranks' shares
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_two_parallelized_pipeline_stages_give_the_whole_models_logits(ranks, sequence_parallel):
+    x, _ = seeded_batch(CFG, ROWS)
+    logits = GPT(CFG, seed=0)(x).detach()
+    per_rank = CFG.vocab_size // 2
+    for rank, got in enumerate(ranks.apply(_two_stages, CFG, x, sequence_parallel)):
+        torch.testing.assert_close(got, logits[..., rank * per_rank:(rank + 1) * per_rank], rtol=0, atol=1e-6)

@@ -1,4 +1,5 @@
-"""Tensor and sequence parallelism from scratch (chapter 05): the layers, in Megatron-LM's names.
+"""Tensor and sequence parallelism from scratch (chapter 05): the layers, in Megatron-LM's names, and
+:func:`parallelize`, which makes the book's GPT tensor-parallel in place.
 
 Tensor parallelism (Shoeybi et al. 2019) splits every weight matrix of a transformer layer over the ``tp``
 ranks of a group, so that each rank stores and multiplies ``1/tp`` of it. The operators between the layers,
@@ -8,24 +9,28 @@ ranks of a group, so that each rank stores and multiplies ``1/tp`` of it. The op
   from the full input, which enters through ``f`` (identity forward, all-reduce backward).
 - :class:`RowParallelLinear` splits a weight along its inputs: each rank multiplies its slice of the features
   and the partial products are summed by ``g`` (all-reduce forward, identity backward).
-- Attention splits by heads (query heads and their KV heads together) and the MLP by hidden units: a
-  column-parallel layer followed by a row-parallel one needs one all-reduce forward and one backward.
+- :class:`ParallelAttention` splits by heads (query heads and their KV heads together), :class:`ParallelMLP`
+  by hidden units: :mod:`helpers.model`'s ``Attention`` and ``MLP`` with parallel projections and their own
+  forward. A column-parallel layer followed by a row-parallel one needs one all-reduce forward, one backward.
 - :class:`VocabParallelEmbedding` and :func:`vocab_parallel_cross_entropy` split the vocabulary; the loss is
   computed without ever gathering the full logits.
 
 Sequence parallelism (Korthikanti et al. 2022) also splits the norms and residual stream along the sequence:
 ``g`` becomes a reduce-scatter and ``f`` an all-gather, the same bytes, ``1/tp`` of those activations per
 rank; backward gathers each column-parallel layer's input again (:class:`_SequenceParallelLinear`), since only
-this rank's slice of it is kept. The norms and the position embedding then see only their rank's tokens, and
-:func:`allreduce_sequence_parallel_grads` sums their gradients.
+this rank's slice of it is kept. The norms and the position embedding (:class:`SequenceParallelEmbedding`)
+then see only their rank's tokens, and :func:`allreduce_sequence_parallel_grads` sums their gradients.
 
-:class:`TensorParallelGPT` is :class:`helpers.model.GPT` made of these layers; :func:`from_reference` builds
-one rank's copy from the reference's weights (:func:`shard_state`), and :func:`unshard_state` puts the ranks'
-shards (of parameters or gradients) back together under the reference's names. Every collective is booked in
-:data:`helpers.parallel.ledger.LEDGER`.
+Each layer takes its rank and ``tp`` from its process group and cuts its shard from the weights it replaces.
+:func:`shard_plan` says how each parameter of the parallel model is cut from the reference's;
+:func:`shard_state` cuts a rank's tensors by it, :func:`unshard_state` puts the ranks' shards back together.
+Every collective is a call of :mod:`helpers.parallel.comms`, booked in the ledger.
 """
 
 from __future__ import annotations
+
+import copy
+import functools
 
 import torch
 import torch.distributed as dist
@@ -33,10 +38,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from helpers import layout_rules
-from helpers.model import GPTConfig
-from helpers.parallel.ledger import LEDGER
-from helpers.parallel.tensor_parallel_comms import (SEQ_DIM, _all_gather, _all_reduce, _reduce_scatter,
-                                                    copy_to_tensor_parallel_region,
+from helpers.model import GPT, MLP, Attention, GPTConfig
+from helpers.parallel import comms
+from helpers.parallel.tensor_parallel_comms import (SEQ_DIM, copy_to_tensor_parallel_region,
                                                     reduce_from_tensor_parallel_region,
                                                     reduce_scatter_to_sequence_parallel_region)
 
@@ -46,10 +50,14 @@ from helpers.parallel.tensor_parallel_comms import (SEQ_DIM, _all_gather, _all_r
 # ---------------------------------------------------------------------------------------------------------
 
 
-def _divide(n: int, tp: int, what: str) -> int:
-    if n % tp:
-        raise ValueError(f"tp={tp} must divide {what} ({n})")
-    return n // tp
+def _mine(weight: torch.Tensor, dim: int, group, what: str) -> torch.Tensor:
+    """This rank's block of ``weight`` along ``dim``: rank ``r`` of ``tp`` holds the ``r``-th of ``tp`` equal
+    blocks (a copy: a shard owns its storage)."""
+    tp, rank = dist.get_world_size(group), dist.get_rank(group)
+    if weight.shape[dim] % tp:
+        raise ValueError(f"tp={tp} must divide {what} ({weight.shape[dim]})")
+    n = weight.shape[dim] // tp
+    return weight.detach().narrow(dim, rank * n, n).clone()
 
 
 class _SequenceParallelLinear(torch.autograd.Function):
@@ -66,15 +74,15 @@ class _SequenceParallelLinear(torch.autograd.Function):
     def forward(ctx, x, weight, sizes, group):
         ctx.save_for_backward(x, weight)
         ctx.sizes, ctx.group = sizes, group
-        gathered = _all_gather(x, SEQ_DIM, group)
+        gathered = comms.all_gather(x, SEQ_DIM, group)
         return tuple(F.linear(gathered, w) for w in weight.split(sizes))
 
     @staticmethod
     def backward(ctx, *grads):
         x, weight = ctx.saved_tensors
-        gathered = _all_gather(x, SEQ_DIM, ctx.group)  # again: it was not kept
+        gathered = comms.all_gather(x, SEQ_DIM, ctx.group)  # again: it was not kept
         grad = torch.cat(grads, dim=-1)  # autograd passes zeros for an output that was not used
-        grad_input = _reduce_scatter(grad @ weight, SEQ_DIM, ctx.group)
+        grad_input = comms.reduce_scatter(grad @ weight, SEQ_DIM, ctx.group)
         grad_weight = grad.reshape(-1, grad.shape[-1]).t() @ gathered.reshape(-1, gathered.shape[-1])
         return grad_input, grad_weight, None, None
 
@@ -83,17 +91,16 @@ class ColumnParallelLinear(nn.Module):
     """``Y = X Aᵀ`` with ``A``'s rows (the output features) split over the ranks: rank ``r`` holds rows
     ``r·out/tp … (r+1)·out/tp`` and returns those output features (Shoeybi et al. 2019).
 
-    ``sizes`` stacks several layers that share the input in one weight (Q, K and V), each split over the
-    ranks; the forward then returns one tensor per layer. With ``sequence_parallel`` the input is this rank's
-    slice of the sequence and is all-gathered first.
+    Given several full weights of layers that share the input (Q, K and V), it stacks this rank's rows of each
+    in one weight and returns one tensor per layer. With ``sequence_parallel`` the input is this rank's slice
+    of the sequence and is all-gathered first.
     """
 
-    def __init__(self, in_features: int, out_features: int | tuple[int, ...], tp: int, group=None,
-                 sequence_parallel: bool = False):
+    def __init__(self, *weights: torch.Tensor, group=None, sequence_parallel: bool = False):
         super().__init__()
-        sizes = (out_features,) if isinstance(out_features, int) else tuple(out_features)
-        self.sizes = tuple(_divide(n, tp, "the output features of a column-parallel layer") for n in sizes)
-        self.weight = nn.Parameter(torch.empty(sum(self.sizes), in_features))
+        shards = [_mine(w, 0, group, "the output features of a column-parallel layer") for w in weights]
+        self.sizes = tuple(len(shard) for shard in shards)
+        self.weight = nn.Parameter(torch.cat(shards))
         self.group, self.sequence_parallel = group, sequence_parallel
 
     def forward(self, x):
@@ -110,11 +117,9 @@ class RowParallelLinear(nn.Module):
     slice of the features, and the partial products are summed over the ranks (Shoeybi et al. 2019), or, with
     ``sequence_parallel``, summed and scattered along the sequence (Korthikanti et al. 2022)."""
 
-    def __init__(self, in_features: int, out_features: int, tp: int, group=None,
-                 sequence_parallel: bool = False):
+    def __init__(self, weight: torch.Tensor, group=None, sequence_parallel: bool = False):
         super().__init__()
-        per_rank = _divide(in_features, tp, "the input features of a row-parallel layer")
-        self.weight = nn.Parameter(torch.empty(out_features, per_rank))
+        self.weight = nn.Parameter(_mine(weight, 1, group, "the input features of a row-parallel layer"))
         self.group, self.sequence_parallel = group, sequence_parallel
 
     def forward(self, x):
@@ -131,11 +136,11 @@ class VocabParallelEmbedding(nn.Module):
     ranks (or, with ``sequence_parallel``, reduce-scattering along the sequence) gives every token its row.
     """
 
-    def __init__(self, vocab_size: int, dim: int, rank: int, tp: int, group=None, sequence_parallel=False):
+    def __init__(self, weight: torch.Tensor, group=None, sequence_parallel: bool = False):
         super().__init__()
-        per_rank = _divide(vocab_size, tp, "the vocabulary")
-        self.vocab_start, self.vocab_end = rank * per_rank, (rank + 1) * per_rank
-        self.weight = nn.Parameter(torch.empty(per_rank, dim))
+        self.weight = nn.Parameter(_mine(weight, 0, group, "the vocabulary"))
+        self.vocab_start = dist.get_rank(group) * len(self.weight)
+        self.vocab_end = self.vocab_start + len(self.weight)
         self.group, self.sequence_parallel = group, sequence_parallel
 
     def forward(self, idx):
@@ -145,6 +150,20 @@ class VocabParallelEmbedding(nn.Module):
         if self.sequence_parallel:
             return reduce_scatter_to_sequence_parallel_region(partial, self.group)
         return reduce_from_tensor_parallel_region(partial, self.group)
+
+
+class SequenceParallelEmbedding(nn.Module):
+    """The position embedding under sequence parallelism: the rows of this rank's slice of the positions it is
+    given, since the residual stream holds only those. Each rank's gradient holds its positions' rows: it is
+    marked to be summed with the norms'."""
+
+    def __init__(self, weight: nn.Parameter, group=None):
+        super().__init__()
+        self.weight, self.group = weight, group
+        weight.sequence_parallel = True
+
+    def forward(self, positions):
+        return F.embedding(_mine(positions, -1, self.group, "the positions"), self.weight)
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
@@ -159,16 +178,14 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, targets, vocab_start, group):
         logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # at least fp32
-        largest = logits.max(dim=-1).values
-        LEDGER.record("all_reduce", largest, group)
-        dist.all_reduce(largest, op=dist.ReduceOp.MAX, group=group)
+        largest = comms.all_reduce(logits.max(dim=-1).values, group, op="max")
         shifted = logits - largest.unsqueeze(-1)
         mine = (targets >= vocab_start) & (targets < vocab_start + logits.shape[-1])
         local = (targets - vocab_start).masked_fill(~mine, 0)
         target_logit = shifted.gather(-1, local.unsqueeze(-1)).squeeze(-1).masked_fill(~mine, 0.0)
-        target_logit = _all_reduce(target_logit, group)
+        target_logit = comms.all_reduce(target_logit, group)
         exp = shifted.exp()
-        sum_exp = _all_reduce(exp.sum(dim=-1), group)
+        sum_exp = comms.all_reduce(exp.sum(dim=-1), group)
         ctx.save_for_backward(exp.div_(sum_exp.unsqueeze(-1)), mine, local)
         return sum_exp.log() - target_logit  # per token: log Σ exp(z) - z_target
 
@@ -180,14 +197,49 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return (softmax - onehot) * grad.unsqueeze(-1), None, None, None
 
 
-def vocab_parallel_cross_entropy(logits, targets, vocab_start: int, group=None) -> torch.Tensor:
-    """Per-token cross-entropy of ``logits`` (this rank's vocabulary slice, starting at ``vocab_start``)."""
-    return _VocabParallelCrossEntropy.apply(logits, targets, vocab_start, group)
+def vocab_parallel_cross_entropy(logits, targets, group=None) -> torch.Tensor:
+    """The mean cross-entropy of ``logits`` split along the vocabulary over ``group``: rank ``r`` holds the
+    ``r``-th slice (``helpers.model.cross_entropy``, vocabulary-parallel)."""
+    vocab_start = dist.get_rank(group) * logits.shape[-1]
+    return _VocabParallelCrossEntropy.apply(logits, targets, vocab_start, group).mean()
 
 
 # ---------------------------------------------------------------------------------------------------------
-# The book's GPT, tensor-parallel
+# The book's GPT, tensor-parallel: the reference's attention and MLP with parallel projections
 # ---------------------------------------------------------------------------------------------------------
+
+
+class ParallelAttention(Attention):
+    """``Attention`` with this rank's ``n_heads/tp`` query heads and the ``n_kv_heads/tp`` KV heads they use:
+    Q, K and V in one column-parallel weight, ``o_proj`` row-parallel; the forward, and the attention
+    ``core``, are the layer's own."""
+
+    def __init__(self, attn: Attention, group=None, sequence_parallel: bool = False):
+        nn.Module.__init__(self)  # not Attention's: it would build the full projections
+        self.head_dim, self.core = attn.head_dim, attn.core
+        self.qkv_proj = ColumnParallelLinear(attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight,
+                                             group=group, sequence_parallel=sequence_parallel)
+        self.o_proj = RowParallelLinear(attn.o_proj.weight, group, sequence_parallel)
+
+    def project(self, x):
+        return self.qkv_proj(x)
+
+
+class ParallelMLP(MLP):
+    """``MLP`` with this rank's ``d_ff/tp`` hidden units: column-parallel, then row-parallel; the forward is
+    the MLP's own."""
+
+    def __init__(self, mlp: MLP, group=None, sequence_parallel: bool = False):
+        nn.Module.__init__(self)  # not MLP's: it would build the full projections
+        self.gated, split = mlp.gated, dict(group=group, sequence_parallel=sequence_parallel)
+        if mlp.gated:  # gate and up share the input: one weight, as Megatron's linear_fc1
+            self.gate_up_proj = ColumnParallelLinear(mlp.gate_proj.weight, mlp.up_proj.weight, **split)
+        else:
+            self.up_proj = ColumnParallelLinear(mlp.up_proj.weight, **split)
+        self.down_proj = RowParallelLinear(mlp.down_proj.weight, **split)
+
+    def project(self, x):
+        return self.gate_up_proj(x) if self.gated else self.up_proj(x)
 
 
 def check_layout(cfg: GPTConfig, tp: int, sequence_parallel: bool = False) -> None:
@@ -196,104 +248,51 @@ def check_layout(cfg: GPTConfig, tp: int, sequence_parallel: bool = False) -> No
                                  seq_len=cfg.seq_len if sequence_parallel else None)
 
 
-def _norm(cfg: GPTConfig, sequence_parallel: bool) -> nn.LayerNorm:
-    norm = nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps)
-    for p in norm.parameters():
-        p.sequence_parallel = sequence_parallel  # Megatron's mark: its gradient is summed over the ranks
-    return norm
+def _mark_sequence_parallel(*modules: nn.Module) -> None:
+    for p in (p for module in modules for p in module.parameters()):
+        p.sequence_parallel = True  # Megatron's mark: its gradient is summed over the ranks
 
 
-class ParallelAttention(nn.Module):
-    """Causal attention with this rank's ``n_heads/tp`` query heads and the ``n_kv_heads/tp`` KV heads they
-    use."""
+def parallelize(model: GPT, group=None, sequence_parallel: bool = False) -> GPT:
+    """Make ``model`` (a GPT, or a pipeline stage of one) tensor-parallel over ``group``, in place.
 
-    def __init__(self, cfg: GPTConfig, tp: int, group=None, sequence_parallel=False):
-        super().__init__()
-        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads // tp, cfg.n_kv_heads // tp, cfg.head_dim
-        q, kv = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
-        self.qkv_proj = ColumnParallelLinear(cfg.d_model, (q, kv, kv), tp, group, sequence_parallel)
-        self.o_proj = RowParallelLinear(q, cfg.d_model, tp, group, sequence_parallel)
-
-    def forward(self, x):
-        q, k, v = self.qkv_proj(x)
-        b, t, _ = q.shape
-        q = q.view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
-        k = k.view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        v = v.view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        n_rep = self.n_heads // self.n_kv_heads  # query heads per KV head
-        k, v = k.repeat_interleave(n_rep, dim=1), v.repeat_interleave(n_rep, dim=1)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.o_proj(y.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim))
-
-
-class ParallelMLP(nn.Module):
-    """``down(gelu(up(x)))`` with ``d_ff/tp`` hidden units per rank: column-parallel, then row-parallel."""
-
-    def __init__(self, cfg: GPTConfig, tp: int, group=None, sequence_parallel=False):
-        super().__init__()
-        self.gated = cfg.gated
-        if cfg.gated:  # gate and up share the input: one weight, as Megatron's linear_fc1
-            self.gate_up_proj = ColumnParallelLinear(cfg.d_model, (cfg.d_ff, cfg.d_ff), tp, group,
-                                                     sequence_parallel)
-        else:
-            self.up_proj = ColumnParallelLinear(cfg.d_model, cfg.d_ff, tp, group, sequence_parallel)
-        self.down_proj = RowParallelLinear(cfg.d_ff, cfg.d_model, tp, group, sequence_parallel)
-
-    def forward(self, x):
-        if self.gated:
-            gate, up = self.gate_up_proj(x)
-            return self.down_proj(F.silu(gate) * up)
-        return self.down_proj(F.gelu(self.up_proj(x)))
-
-
-class ParallelBlock(nn.Module):
-    def __init__(self, cfg: GPTConfig, tp: int, group=None, sequence_parallel=False):
-        super().__init__()
-        self.ln1 = _norm(cfg, sequence_parallel)
-        self.attn = ParallelAttention(cfg, tp, group, sequence_parallel)
-        self.ln2 = _norm(cfg, sequence_parallel)
-        self.mlp = ParallelMLP(cfg, tp, group, sequence_parallel)
-
-    def forward(self, x):
-        x = x + self.attn(self.ln1(x))
-        return x + self.mlp(self.ln2(x))
-
-
-class TensorParallelGPT(nn.Module):
-    """Rank ``rank``'s part of :class:`helpers.model.GPT` over a tensor-parallel group of ``tp`` ranks.
-
-    ``forward(idx, targets)`` returns this rank's slice of the logits (its vocabulary range, the whole
-    sequence) and the mean cross-entropy. With ``sequence_parallel`` the residual stream between the parallel
-    layers holds only this rank's ``seq_len/tp`` positions.
+    Each layer becomes its parallel form, holding this rank's shards of the current weights; the norms stay
+    whole. ``GPT.forward`` then gives this rank's slice of the logits (its vocabulary range) and the
+    vocabulary-parallel loss; with ``sequence_parallel`` the residual stream between the parallel layers holds
+    this rank's ``seq_len/tp`` positions. An attention ``core`` already set is kept. A model that cannot be
+    split is refused before anything changes.
     """
+    check_layout(model.cfg, dist.get_world_size(group), sequence_parallel)
+    for name, block in model.blocks.items():
+        for part, want in (("attn", Attention), ("mlp", MLP)):
+            if type(getattr(block, part)) is not want:  # a MoE layer, or one split already
+                raise ValueError(f"tensor_parallel.parallelize: blocks.{name}.{part} is a "
+                                 f"{type(getattr(block, part)).__name__}, not helpers.model.{want.__name__}: "
+                                 f"tensor parallelism splits those dense layers, once (a MoE layer is split "
+                                 f"by expert parallelism)")
+    split = dict(group=group, sequence_parallel=sequence_parallel)
+    for block in model.blocks:
+        block.attn, block.mlp = ParallelAttention(block.attn, **split), ParallelMLP(block.mlp, **split)
+        if sequence_parallel:
+            _mark_sequence_parallel(block.ln1, block.ln2)
+    tied = None not in (model.tok_emb, model.lm_head) and model.lm_head.weight is model.tok_emb.weight
+    if model.tok_emb is not None:
+        model.tok_emb = VocabParallelEmbedding(model.tok_emb.weight, **split)
+        if sequence_parallel:
+            model.pos_emb = SequenceParallelEmbedding(model.pos_emb.weight, group)
+    if model.lm_head is not None:
+        model.lm_head = ColumnParallelLinear(model.lm_head.weight, **split)
+        if tied:
+            model.lm_head.weight = model.tok_emb.weight  # both hold this rank's vocabulary rows
+        model.loss_fn = functools.partial(vocab_parallel_cross_entropy, group=group)
+        if sequence_parallel:
+            _mark_sequence_parallel(model.ln_f)
+    return model
 
-    def __init__(self, cfg: GPTConfig, rank: int, tp: int, group=None, sequence_parallel: bool = False):
-        super().__init__()
-        check_layout(cfg, tp, sequence_parallel)
-        self.cfg, self.rank, self.tp = cfg, rank, tp
-        self.group, self.sequence_parallel = group, sequence_parallel
-        self.tok_emb = VocabParallelEmbedding(cfg.vocab_size, cfg.d_model, rank, tp, group, sequence_parallel)
-        self.pos_emb = nn.Embedding(cfg.seq_len, cfg.d_model)
-        self.pos_emb.weight.sequence_parallel = sequence_parallel
-        self.blocks = nn.ModuleList(ParallelBlock(cfg, tp, group, sequence_parallel)
-                                    for _ in range(cfg.n_layers))
-        self.ln_f = _norm(cfg, sequence_parallel)
-        self.lm_head = ColumnParallelLinear(cfg.d_model, cfg.vocab_size, tp, group, sequence_parallel)
-        if cfg.tie_embeddings:
-            self.lm_head.weight = self.tok_emb.weight  # both hold this rank's vocabulary rows
 
-    def forward(self, idx, targets=None):
-        t = idx.shape[1]
-        x = self.tok_emb(idx)
-        start, length = (self.rank * t // self.tp, t // self.tp) if self.sequence_parallel else (0, t)
-        x = x + self.pos_emb(torch.arange(start, start + length, device=idx.device))
-        for block in self.blocks:
-            x = block(x)
-        logits = self.lm_head(self.ln_f(x))
-        if targets is None:
-            return logits
-        loss = vocab_parallel_cross_entropy(logits, targets, self.tok_emb.vocab_start, self.group)
-        return logits, loss.mean()
+def from_reference(reference: GPT, group=None, sequence_parallel: bool = False) -> GPT:
+    """This rank's tensor-parallel copy of ``reference``, which stays as it is."""
+    return parallelize(copy.deepcopy(reference), group, sequence_parallel)
 
 
 def allreduce_sequence_parallel_grads(model: nn.Module, group=None) -> None:
@@ -305,7 +304,7 @@ def allreduce_sequence_parallel_grads(model: nn.Module, group=None) -> None:
     params = [p for p in model.parameters() if getattr(p, "sequence_parallel", False) and p.grad is not None]
     if not params:
         return
-    flat = _all_reduce(torch.cat([p.grad.reshape(-1) for p in params]), group)
+    flat = comms.all_reduce(torch.cat([p.grad.reshape(-1) for p in params]), group)
     for p, g in zip(params, flat.split([p.numel() for p in params])):
         p.grad.copy_(g.view_as(p.grad))
 
@@ -316,8 +315,8 @@ def allreduce_sequence_parallel_grads(model: nn.Module, group=None) -> None:
 
 
 def shard_plan(cfg: GPTConfig, tp: int) -> dict[str, tuple[int | None, tuple[tuple[str, int], ...]]]:
-    """For each parameter of :class:`TensorParallelGPT`: the dimension it is split along (``None``: every rank
-    holds all of it), and the reference parameters it stacks, each with the size of one rank's slice."""
+    """For each parameter of a GPT after :func:`parallelize`: the dimension it is split along (``None``: every
+    rank holds all of it), and the reference parameters it stacks, each with the size of one rank's slice."""
     check_layout(cfg, tp)
     d, hd, V = cfg.d_model, cfg.head_dim, cfg.vocab_size
     plan = {"tok_emb.weight": (0, (("tok_emb.weight", V // tp),)),
@@ -346,7 +345,7 @@ def shard_plan(cfg: GPTConfig, tp: int) -> dict[str, tuple[int | None, tuple[tup
 
 
 def shard_state(full: dict[str, torch.Tensor], cfg: GPTConfig, rank: int, tp: int) -> dict[str, torch.Tensor]:
-    """Rank ``rank``'s tensors, under :class:`TensorParallelGPT`'s names, cut from the reference's ``full``
+    """Rank ``rank``'s tensors, under the parallel model's names, cut from the reference's ``full``
     (all of the model's tensors, or some of them)."""
     shards = {}
     for name, (dim, parts) in shard_plan(cfg, tp).items():
@@ -377,24 +376,7 @@ def unshard_state(shards: list[dict[str, torch.Tensor]], cfg: GPTConfig) -> dict
     return full
 
 
-def from_reference(reference: nn.Module, rank: int, tp: int, group=None,
-                   sequence_parallel: bool = False) -> TensorParallelGPT:
-    """This rank's :class:`TensorParallelGPT`, holding its shards of the weights of ``reference`` (a GPT)."""
-    model = TensorParallelGPT(reference.cfg, rank, tp, group, sequence_parallel)
-    dtype = next(reference.parameters()).dtype
-    model.to(dtype)
-    shards = shard_state(dict(reference.named_parameters()), reference.cfg, rank, tp)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_(shards[name])
-    return model
-
-
-def named_grads(model: nn.Module) -> dict[str, torch.Tensor]:
-    return {name: p.grad.detach().clone() for name, p in model.named_parameters()}
-
-
-__all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding",
-           "vocab_parallel_cross_entropy", "ParallelAttention", "ParallelMLP", "ParallelBlock",
-           "TensorParallelGPT", "check_layout", "allreduce_sequence_parallel_grads", "shard_plan",
-           "shard_state", "unshard_state", "from_reference", "named_grads"]
+__all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "SequenceParallelEmbedding",
+           "vocab_parallel_cross_entropy", "ParallelAttention", "ParallelMLP", "check_layout", "parallelize",
+           "from_reference", "allreduce_sequence_parallel_grads", "shard_plan", "shard_state",
+           "unshard_state"]

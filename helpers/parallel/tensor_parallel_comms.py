@@ -1,10 +1,8 @@
 """Tensor and sequence parallelism's communication operators (chapter 05), in Megatron-LM's names.
 
-Every collective of a tensor-parallel layer goes through one of three small wrappers, :func:`_all_reduce`,
-:func:`_all_gather` and :func:`_reduce_scatter`, which book its bytes in
-:data:`helpers.parallel.ledger.LEDGER` before they call ``torch.distributed``. On them stand the four
-operators of the layers in :mod:`helpers.parallel.tensor_parallel`, autograd Functions that do one collective
-forward and its mirror backward:
+Four autograd Functions, each one collective forward and its mirror backward, stand between the layers of
+:mod:`helpers.parallel.tensor_parallel`. Every collective is a call of :mod:`helpers.parallel.comms`, which
+books it in :data:`helpers.parallel.ledger.LEDGER` once:
 
 - ``f``, :func:`copy_to_tensor_parallel_region`: identity forward, all-reduce backward; before a
   column-parallel layer (Shoeybi et al. 2019).
@@ -15,58 +13,21 @@ forward and its mirror backward:
   ``g`` becomes :func:`reduce_scatter_to_sequence_parallel_region` (reduce-scatter forward, all-gather
   backward): the same bytes, with ``1/tp`` of those activations on each rank.
 
-The split follows picotron's ``tp_communications.py`` and Megatron-LM's ``tensor_parallel/mappings.py``. The
-layers call these; only the vocabulary-parallel loss also makes an all-reduce of its own (of a maximum).
+The split follows picotron's ``tp_communications.py`` and Megatron-LM's ``tensor_parallel/mappings.py``.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
-from helpers.parallel.ledger import LEDGER
+from helpers.parallel import comms
 
 SEQ_DIM = 1  # activations are (batch, sequence, features), as in helpers.model
 
 
-# ---------------------------------------------------------------------------------------------------------
-# Collectives, booked in the ledger
-# ---------------------------------------------------------------------------------------------------------
-
-
-def _all_reduce(x: torch.Tensor, group=None) -> torch.Tensor:
-    """The sum over the group's ranks, in a new tensor."""
-    out = x.clone(memory_format=torch.contiguous_format)
-    LEDGER.record("all_reduce", out, group)
-    dist.all_reduce(out, group=group)
-    return out
-
-
-def _all_gather(x: torch.Tensor, dim: int, group=None) -> torch.Tensor:
-    """Every rank's ``x`` concatenated along ``dim``, in rank order."""
-    moved = x.movedim(dim, 0).contiguous()
-    out = moved.new_empty((dist.get_world_size(group) * moved.shape[0], *moved.shape[1:]))
-    LEDGER.record("all_gather", out, group)
-    dist.all_gather_single(out, moved, group=group)
-    return out.movedim(0, dim)
-
-
-def _reduce_scatter(x: torch.Tensor, dim: int, group=None) -> torch.Tensor:
-    """The sum over the group's ranks of ``x``, of which this rank keeps its slice along ``dim``."""
-    moved = x.movedim(dim, 0).contiguous()
-    world_size = dist.get_world_size(group)
-    if moved.shape[0] % world_size:
-        raise ValueError(f"a reduce-scatter over {world_size} ranks needs dim {dim} ({moved.shape[0]}) to "
-                         f"divide by {world_size}")
-    out = moved.new_empty((moved.shape[0] // world_size, *moved.shape[1:]))
-    LEDGER.record("reduce_scatter", moved, group)
-    dist.reduce_scatter_single(out, moved, group=group)
-    return out.movedim(0, dim)
-
-
-# ---------------------------------------------------------------------------------------------------------
-# The communication operators: autograd Functions
-# ---------------------------------------------------------------------------------------------------------
+def _summed(x: torch.Tensor, group) -> torch.Tensor:
+    """The sum over the group's ranks, in a new tensor (autograd may still need ``x``)."""
+    return comms.all_reduce(x.clone(memory_format=torch.contiguous_format), group)
 
 
 class _CopyToTensorParallelRegion(torch.autograd.Function):
@@ -83,7 +44,7 @@ class _CopyToTensorParallelRegion(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_reduce(grad, ctx.group), None
+        return _summed(grad, ctx.group), None
 
 
 class _ReduceFromTensorParallelRegion(torch.autograd.Function):
@@ -95,7 +56,7 @@ class _ReduceFromTensorParallelRegion(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, group):
-        return _all_reduce(x, group)
+        return _summed(x, group)
 
     @staticmethod
     def backward(ctx, grad):
@@ -109,11 +70,11 @@ class _GatherFromSequenceParallelRegion(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
-        return _all_gather(x, SEQ_DIM, group)
+        return comms.all_gather(x, SEQ_DIM, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return _reduce_scatter(grad, SEQ_DIM, ctx.group), None
+        return comms.reduce_scatter(grad, SEQ_DIM, ctx.group), None
 
 
 class _ReduceScatterToSequenceParallelRegion(torch.autograd.Function):
@@ -123,11 +84,11 @@ class _ReduceScatterToSequenceParallelRegion(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
-        return _reduce_scatter(x, SEQ_DIM, group)
+        return comms.reduce_scatter(x, SEQ_DIM, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_gather(grad, SEQ_DIM, ctx.group), None
+        return comms.all_gather(grad, SEQ_DIM, ctx.group), None
 
 
 def copy_to_tensor_parallel_region(x, group=None):
