@@ -16,6 +16,7 @@ import torch
 
 from conftest import assert_close_to_scale, seeded_batch, small_config
 from helpers.model import GPT
+from helpers.reference import named_grads, named_params, train_steps
 from helpers.parallel.zero import ShardedAdamW, accumulate, shard_of, shard_rows
 
 # odd sizes, so that most parameters need padding rows on two ranks
@@ -51,15 +52,11 @@ def test_sharded_adamw_refuses_a_stage_it_does_not_implement():
 def _single_process():
     """The reference: the whole global batch in one backward, ``STEPS`` AdamW steps."""
     model = GPT(CFG, seed=0).double()
-    optimizer = torch.optim.AdamW(model.parameters(), **ADAMW)
-    first_grads = None
-    for step, (x, y) in enumerate(BATCHES):
-        model(x, y)[1].backward()
-        if step == 0:
-            first_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
-        optimizer.step()
-        optimizer.zero_grad()
-    return first_grads, {n: p.detach().clone() for n, p in model.named_parameters()}
+    model(*BATCHES[0])[1].backward()
+    first_grads = named_grads(model)
+    model.zero_grad()
+    train_steps(model, BATCHES, lr=ADAMW["lr"], optimizer=torch.optim.AdamW(model.parameters(), **ADAMW))
+    return first_grads, named_params(model)
 
 
 @ipp.interactive  # sent by value: the engines cannot import this test module
@@ -174,6 +171,7 @@ def _record_calls(cfg, stage, x, y, adamw):
     from helpers.data import rank_rows
     from helpers.model import GPT
     from helpers.parallel import zero
+    from helpers.parallel.context_parallel import TorchCollectives
 
     rank, world_size = dist.get_rank(), dist.get_world_size()
     model = GPT(cfg, seed=0).double()
@@ -181,10 +179,11 @@ def _record_calls(cfg, stage, x, y, adamw):
         sharded = zero.Zero3(model, list(model.blocks), **adamw)
     else:
         sharded = zero.ShardedAdamW(model, stage, **adamw)
-    with zero.collective_calls() as calls:
+    with TorchCollectives() as ran:  # every torch.distributed operation, as the dispatcher runs it
         model(rank_rows(x, rank, world_size), rank_rows(y, rank, world_size))[1].backward()
         sharded.step()
-    return [(c.collective, c.numel, c.group_ranks) for c in calls]
+    # the full buffer of each: an all-gather's output, a reduce-scatter's input
+    return [(op, max(numels), ranks) for op, ranks, numels, _ in ran.calls]
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
@@ -197,7 +196,7 @@ def test_the_collectives_each_stage_calls(ranks, stage):
     gathered = everything if stage < 3 else 2 * blocks + (everything - blocks)  # ZeRO-3: each block twice
     for calls in ranks.apply(_record_calls, CFG, stage, *BATCHES[0], ADAMW):
         kinds = {name for name, _, _ in calls}
-        assert kinds == {"reduce_scatter_single", "all_gather_single"}, kinds
+        assert kinds == {"_reduce_scatter_base_", "_allgather_base_"}, kinds
         assert {group for _, _, group in calls} == {(0, 1)}
-        assert sum(n for name, n, _ in calls if name == "reduce_scatter_single") == everything
-        assert sum(n for name, n, _ in calls if name == "all_gather_single") == gathered
+        assert sum(n for name, n, _ in calls if name == "_reduce_scatter_base_") == everything
+        assert sum(n for name, n, _ in calls if name == "_allgather_base_") == gathered

@@ -16,23 +16,20 @@ padded with zero rows, as FSDP2 pads), and keeps AdamW's state for those rows on
   autograd saves in forward share that storage, so they are freed with it and backward reads what was
   gathered again.
 
-Every collective is booked in the chapter 02 ledger. :class:`LiveMemory` measures what a rank holds from the
-storages alive at each moment (parameters, gradients, optimizer state and every tensor autograd saved for
-backward), and :func:`collective_calls` records every ``torch.distributed`` collective called, with its
-buffer's size and group, whoever called it.
+Every collective goes through :mod:`helpers.parallel.comms`, booked once in the chapter 02 ledger.
+:class:`LiveMemory` measures what a rank holds from the storages alive at each moment (parameters, gradients,
+optimizer state and every tensor autograd saved for backward); which collectives really ran, chapter 04 reads
+from :class:`helpers.parallel.context_parallel.TorchCollectives`, a dispatch mode that sees every one.
 """
 
 from __future__ import annotations
 
-import contextlib
-import inspect
 import weakref
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from helpers.parallel.ledger import LEDGER
+from helpers.parallel import comms
 
 
 def shard_rows(n_rows: int, world_size: int) -> int:
@@ -51,23 +48,12 @@ def shard_of(full: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
 
 def all_gather_rows(shard: torch.Tensor, n_rows: int, group=None) -> torch.Tensor:
     """The full tensor from every rank's shard (the padding rows dropped)."""
-    world_size = dist.get_world_size(group)
-    out = shard.new_empty((shard.shape[0] * world_size, *shard.shape[1:]))
-    LEDGER.record("all_gather", out, group)
-    dist.all_gather_single(out, shard.contiguous(), group=group)
-    return out[:n_rows]
+    return comms.all_gather(shard, 0, group)[:n_rows]
 
 
 def reduce_scatter_rows(full: torch.Tensor, group=None) -> torch.Tensor:
-    """This rank's rows of the average of ``full`` over the ranks."""
-    world_size = dist.get_world_size(group)
-    k = shard_rows(full.shape[0], world_size)
-    padded = full.new_zeros((k * world_size, *full.shape[1:]))
-    padded[:full.shape[0]] = full
-    out = full.new_empty((k, *full.shape[1:]))
-    LEDGER.record("reduce_scatter", padded, group)
-    dist.reduce_scatter_single(out, padded, group=group)
-    return out.div_(world_size)
+    """This rank's rows of the average of ``full`` over the ranks (padded with zero rows to ``N·k``)."""
+    return comms.reduce_scatter(full, 0, group, pad=True).div_(dist.get_world_size(group))
 
 
 def accumulate(shard: torch.Tensor, reduced: torch.Tensor) -> None:
@@ -145,64 +131,6 @@ class LiveMemory:
         return max(self.events, key=lambda event: sum(event[1][k] for k in kinds))
 
 
-@dataclass(frozen=True)
-class Call:
-    """One ``torch.distributed`` collective as it was called."""
-
-    collective: str  # torch's name, aliases folded: all_gather_into_tensor -> all_gather_single
-    numel: int  # elements of the full buffer: an all-gather's output, a reduce-scatter's input
-    element_size: int
-    group_ranks: tuple[int, ...]
-
-
-_WATCHED = {  # torch.distributed name: (the name recorded, the argument holding the full buffer)
-    "all_reduce": ("all_reduce", "tensor"), "broadcast": ("broadcast", "tensor"),
-    "reduce": ("reduce", "tensor"),
-    "all_gather_single": ("all_gather_single", "output_tensor"),
-    "all_gather_into_tensor": ("all_gather_single", "output_tensor"),
-    "reduce_scatter_single": ("reduce_scatter_single", "input"),
-    "reduce_scatter_tensor": ("reduce_scatter_single", "input"),
-    "all_gather": ("all_gather", "tensor_list"), "reduce_scatter": ("reduce_scatter", "input_list"),
-    "all_to_all_single": ("all_to_all_single", "input"), "all_to_all": ("all_to_all", "input_tensor_list"),
-    "scatter": ("scatter", "tensor"), "gather": ("gather", "tensor"),
-    "send": ("send", "tensor"), "recv": ("recv", "tensor"), "isend": ("isend", "tensor"),
-    "irecv": ("irecv", "tensor"),
-}
-
-
-@contextlib.contextmanager
-def collective_calls():
-    """Record every ``torch.distributed`` collective called inside the block, by anyone, as a :class:`Call`.
-
-    The functions of ``torch.distributed`` are wrapped for the duration, so the record comes from the calls
-    themselves, not from what the caller says it did.
-    """
-    calls: list[Call] = []
-    originals = {name: getattr(dist, name) for name in _WATCHED}
-
-    def watch(name, original):
-        recorded, argument = _WATCHED[name]
-        signature = inspect.signature(original)
-
-        def wrapper(*args, **kwargs):
-            bound = signature.bind(*args, **kwargs)
-            buffer = bound.arguments[argument]
-            tensors = buffer if isinstance(buffer, (list, tuple)) else [buffer]
-            group = bound.arguments.get("group") or dist.group.WORLD
-            calls.append(Call(recorded, sum(t.numel() for t in tensors), tensors[0].element_size(),
-                              tuple(dist.get_process_group_ranks(group))))
-            return original(*args, **kwargs)
-        return wrapper
-
-    for name, original in originals.items():
-        setattr(dist, name, watch(name, original))
-    try:
-        yield calls
-    finally:
-        for name, original in originals.items():
-            setattr(dist, name, original)
-
-
 # --------------------------------------------------------------------------------------------- ZeRO-1 and -2
 
 
@@ -268,29 +196,35 @@ class Zero3:
     def __init__(self, model: torch.nn.Module, units: list[torch.nn.Module], group=None,
                  reshard_after_forward: bool = True, prefetch: bool = False, **adamw):
         self.group, self.reshard_after_forward, self.prefetch = group, reshard_after_forward, prefetch
-        self.in_flight: dict[int, list] = {}  # unit: the works of an all-gather under way
-        self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
+        rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
         self.params = list(model.parameters())
         self.names = {p: name for name, p in model.named_parameters()}
         in_units = {p for unit in units for p in unit.parameters()}
-        self.units = [list(unit.parameters()) for unit in units]
-        # the root: what no unit holds (embeddings, final norm)
-        self.units.insert(0, [p for p in self.params if p not in in_units])
-        self.rows = {p: p.shape[0] for p in self.params}
-        self.shards = {p: torch.nn.Parameter(shard_of(p.detach(), self.rank, self.world_size))
-                       for p in self.params}
-        self.unsharded = {}  # parameter: its padded full rows, a tensor over the parameter's own storage
-        for p in self.params:
-            full = p.detach().new_zeros((self.shards[p].shape[0] * self.world_size, *p.shape[1:]))
-            p.data = full[:p.shape[0]]
-            self.unsharded[p] = full
-        self.optimizer = torch.optim.AdamW(list(self.shards.values()), **adamw)
-        self.memory = LiveMemory(model, self.optimizer)
+        # unit 0, the root: what no block holds (embeddings, final norm)
+        self.units = [[p for p in self.params if p not in in_units]] + [list(u.parameters()) for u in units]
         self.unit_names = ["root"] + [f"block {i}" for i in range(len(units))]
         self.unit_of = {p: i for i, unit in enumerate(self.units) for p in unit}
-        self.waiting = [0] * len(self.units)
+        self.rows = {p: p.shape[0] for p in self.params}
+        self.shards = {p: torch.nn.Parameter(shard_of(p.detach(), rank, self.world_size))
+                       for p in self.params}
+        self.unsharded = {p: self._own_storage(p) for p in self.params}
+        self.optimizer = torch.optim.AdamW(list(self.shards.values()), **adamw)
+        self.memory = LiveMemory(model, self.optimizer)
+        self.waiting = [0] * len(self.units)  # per unit: the gradients its backward has still to produce
+        self.in_flight: dict[int, list] = {}  # per unit: its prefetched all-gathers
         for i in range(len(self.units)):
             self._free(i)
+        self._register_hooks(model, units)
+
+    def _own_storage(self, p: torch.nn.Parameter) -> torch.Tensor:
+        """The parameter's padded full rows (``N·k``), in a storage the parameter becomes a view of."""
+        full = p.detach().new_zeros((self.shards[p].shape[0] * self.world_size, *p.shape[1:]))
+        p.data = full[:p.shape[0]]
+        return full
+
+    def _register_hooks(self, model: torch.nn.Module, units: list[torch.nn.Module]) -> None:
+        """Gather the root before the model's forward; gather each block before its forward and again before
+        its backward, free it after its forward; reduce-scatter each gradient the moment it is accumulated."""
         last = len(units)
         model.register_forward_pre_hook(lambda *_: self._gather(0, then=1))
         for i, unit in enumerate(units, start=1):
@@ -306,29 +240,33 @@ class Zero3:
 
     def _start_gather(self, i: int, async_op: bool) -> list:
         """Give unit ``i``'s parameters their storage back and all-gather the shards straight into it."""
-        works = []
+        gathers = []
         for p in self.units[i]:
             full = self.unsharded[p]
             p.untyped_storage().resize_(full.numel() * full.element_size())
-            LEDGER.record("all_gather", full, self.group)
-            works.append(dist.all_gather_single(full, self.shards[p].detach(), group=self.group,
-                                                async_op=async_op))
-        return works
+            shard = self.shards[p].detach()
+            gathers.append(comms.all_gather(shard, 0, self.group, out=full, async_op=async_op))
+        return gathers
 
     def _gather(self, i: int, then: int | None = None) -> None:
         """Make unit ``i``'s full parameters available; with prefetching, start gathering unit ``then``."""
         if i in self.in_flight:  # prefetched: wait for it
-            for work in self.in_flight.pop(i):
-                work.wait()
+            for pending in self.in_flight.pop(i):
+                pending.wait()
         elif not self._gathered(i):
             self._start_gather(i, async_op=False)
         else:
             return  # still gathered
         self.waiting[i] = len(self.units[i])
         self.memory.sample("gathered", self.unit_names[i])
-        if self.prefetch and then is not None and not self._gathered(then):
-            self.in_flight[then] = self._start_gather(then, async_op=True)
-            self.memory.sample("prefetch issued", self.unit_names[then])
+        if self.prefetch and then is not None:
+            self._prefetch(then)
+
+    def _prefetch(self, i: int) -> None:
+        """Issue unit ``i``'s all-gather now, asynchronously: it travels while the current unit computes."""
+        if not self._gathered(i):
+            self.in_flight[i] = self._start_gather(i, async_op=True)
+            self.memory.sample("prefetch issued", self.unit_names[i])
 
     def _free(self, i: int) -> None:
         """Unit ``i``'s full parameters go: their storage, and with it every view autograd saved, to 0
@@ -338,6 +276,7 @@ class Zero3:
         self.memory.sample("freed", self.unit_names[i])
 
     def _reduce_now(self, p: torch.nn.Parameter) -> None:
+        """This rank's rows of the averaged gradient, added to its shard's; the unit's last one frees it."""
         accumulate(self.shards[p], reduce_scatter_rows(p.grad, self.group))
         self.memory.sample("reduced", self.names[p])  # the full gradient and its shard both still held
         p.grad = None
