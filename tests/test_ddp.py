@@ -16,6 +16,7 @@ from conftest import assert_close_to_scale, seeded_batch, small_config
 from helpers.data import rank_rows
 from helpers.model import GPT
 from helpers.parallel.data_parallel import build_buckets
+from helpers.reference import named_grads
 
 CFG = small_config()
 CAP_BYTES = 9000  # a few parameters per bucket; the 8 KiB MLP matrices fit, two of them do not
@@ -45,7 +46,7 @@ def reference():
     model = GPT(CFG, seed=0)
     x, y = seeded_batch(CFG, GLOBAL_BATCH)
     model(x, y)[1].backward()
-    return {n: p.grad.clone() for n, p in model.named_parameters()}
+    return named_grads(model)
 
 
 @ipp.interactive  # sent by value: the engines cannot import this test module
@@ -59,6 +60,7 @@ def _data_parallel_step(cfg, x, y, version, cap_bytes, micro_batches=1):
     from helpers.parallel import collectives, data_parallel
     from helpers.parallel.collective_costs import expected_bytes
     from helpers.parallel.ledger import LEDGER
+    from helpers.reference import named_grads
 
     rank, world_size = dist.get_rank(), dist.get_world_size()
     xs, ys = rank_rows(x, rank, world_size), rank_rows(y, rank, world_size)
@@ -98,7 +100,7 @@ def _data_parallel_step(cfg, x, y, version, cap_bytes, micro_batches=1):
         found["formula"] = [sum(expected_bytes("ring_all_reduce", n, world_size, rank)[k]
                                 for n in found["bucket_numels"]) for k in (0, 1)]
     found["booked"] = [(m.collective, m.numel, m.dtype, m.group_ranks) for m in LEDGER.booked()]
-    found["grads"] = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+    found["grads"] = named_grads(model)
     return found
 
 

@@ -10,15 +10,16 @@ each a step towards PyTorch's ``DistributedDataParallel`` (Li et al. 2020):
   is accumulated, so communication runs while backward computes the remaining gradients;
 - :meth:`OverlappedDDP.no_sync`: gradient accumulation, communicating only on the last micro-step.
 
-Every ``torch.distributed.all_reduce`` is *booked* in the chapter 02 ledger
+Every all-reduce goes through :func:`helpers.parallel.comms.all_reduce`, *booked* in the chapter 02 ledger
 (:data:`helpers.parallel.ledger.LEDGER`): the booking proves the group and the buffer it was given, not the
 bytes that moved. Given the book's own ring all-reduce (``OverlappedDDP(..., all_reduce=ring_all_reduce)``),
 every message is *counted* instead.
 
 :class:`CommunicationWatch` and :func:`check_communication` check the communication pattern from outside the
-code under test: the watch's own gradient hooks and a wrapper around ``torch.distributed.all_reduce`` record,
-in order, when each gradient was ready and when each all-reduce was called, and the check asks for buckets
-within the cap that start before backward's last gradient. Only the order of events is used, never a time.
+code under test: the watch's own gradient hooks record when each gradient was ready, and a dispatch mode
+(:class:`helpers.parallel.context_parallel.TorchCollectives`) every ``torch.distributed`` operation that ran,
+however it was called; the check asks for buckets within the cap that start before backward's last gradient.
+Only the order of events is used, never a time.
 """
 
 from __future__ import annotations
@@ -30,15 +31,15 @@ import torch
 import torch.distributed as dist
 
 from helpers.checks import check_equal
-from helpers.parallel.ledger import LEDGER
+from helpers.parallel import comms
+from helpers.parallel.context_parallel import TorchCollectives
 
 
 def average_gradients(model: torch.nn.Module, group=None) -> None:
     """Naive data parallelism: all-reduce every gradient, one collective per parameter, and divide by N."""
     world_size = dist.get_world_size(group)
     for p in model.parameters():
-        LEDGER.record("all_reduce", p.grad, group)
-        dist.all_reduce(p.grad, group=group)
+        comms.all_reduce(p.grad, group)
         p.grad /= world_size
 
 
@@ -79,10 +80,28 @@ def bucketed_average(buckets: list[list[torch.nn.Parameter]], group=None) -> Non
     world_size = dist.get_world_size(group)
     for bucket in buckets:
         flat = _flatten([p.grad for p in bucket])
-        LEDGER.record("all_reduce", flat, group)
-        dist.all_reduce(flat, group=group)
+        comms.all_reduce(flat, group)
         flat /= world_size
         _unflatten_into(flat, bucket)
+
+
+class BucketTimeline:
+    """When, on this rank, each gradient became ready and each bucket's all-reduce was launched and completed:
+    ``events`` lists ``(time, what, bucket)``, for chapter 03's figure (no check reads a time)."""
+
+    def __init__(self):
+        self.events: list[tuple[float, str, int]] = []
+
+    def stamp(self, what: str, i: int) -> None:
+        self.events.append((time.perf_counter(), what, i))
+
+    def launched(self, i: int, pending: comms.Pending) -> comms.Pending:
+        """Stamp bucket ``i``'s launch now, its completion from a callback on the collective's future; the
+        result's ``wait()`` waits for that stamp too."""
+        self.stamp("launch", i)
+        stamps = [work.get_future().then(lambda _: self.stamp("done", i)) for work in pending.works]
+        # nothing in flight (the ring ran to completion inside the call): done now
+        return comms.Pending(stamps or [self.stamp("done", i)], pending.wait, pending.what)
 
 
 class OverlappedDDP:
@@ -91,8 +110,8 @@ class OverlappedDDP:
     ``register_post_accumulate_grad_hook`` runs a hook once a parameter's gradient for this backward pass is
     complete in ``.grad``. When the last parameter of a bucket reports, the bucket is flattened, divided by N
     (before the sum, as PyTorch's default hook does) and all-reduced asynchronously; :meth:`finish` waits for
-    every bucket and copies the averages back. ``events`` records, per rank, when each gradient became ready
-    and when each bucket was launched and completed, for the timeline.
+    every bucket and copies the averages back. ``timeline`` (a :class:`BucketTimeline`) records, per rank,
+    when each gradient became ready and when each bucket was launched and completed, for the figure.
 
     ``all_reduce`` replaces ``torch.distributed.all_reduce`` with a function ``all_reduce(tensor, group=...)``
     that returns the sum, such as the book's ``ring_all_reduce`` (chapter 02): it runs to completion inside
@@ -105,17 +124,19 @@ class OverlappedDDP:
         self.buckets = build_buckets(list(model.parameters()), cap_bytes)
         self.bucket_of = {p: i for i, bucket in enumerate(self.buckets) for p in bucket}
         self.require_sync = True
-        self.events: list[tuple[float, str, int]] = []  # (time, what, bucket)
+        self.timeline = BucketTimeline()
         self._reset()
-        self._hooks = [p.register_post_accumulate_grad_hook(self._grad_ready) for p in model.parameters()]
+        for p in model.parameters():
+            p.register_post_accumulate_grad_hook(self._grad_ready)
 
     def _reset(self) -> None:
-        self.waiting = [len(bucket) for bucket in self.buckets]
-        self.in_flight: list[tuple[int, torch.Tensor, dist.Work | None, torch.futures.Future]] = []
+        self.waiting = [len(bucket) for bucket in self.buckets]  # per bucket: the gradients still to come
+        self.in_flight: list[tuple[int, comms.Pending]] = []
 
     def _grad_ready(self, p: torch.nn.Parameter) -> None:
+        """One more gradient of its bucket is complete; the bucket's last one launches the bucket."""
         i = self.bucket_of[p]
-        self.events.append((time.perf_counter(), "grad ready", i))
+        self.timeline.stamp("grad ready", i)
         if not self.require_sync:
             return
         self.waiting[i] -= 1
@@ -123,30 +144,22 @@ class OverlappedDDP:
             self._launch(i)
 
     def _launch(self, i: int) -> None:
-        flat = _flatten([p.grad for p in self.buckets[i]])
-        flat /= self.world_size
-        self.events.append((time.perf_counter(), "launch", i))
+        """Flatten bucket ``i``, divide it by N, and start its all-reduce without waiting for it."""
+        flat = _flatten([p.grad for p in self.buckets[i]]).div_(self.world_size)
         if self.all_reduce is None:
-            LEDGER.record("all_reduce", flat, self.group)
-            work = dist.all_reduce(flat, group=self.group, async_op=True)
-            future = work.get_future()
-        else:  # synchronous: it returns the sum, every message counted by the ledger on the way
-            work, future = None, torch.futures.Future()
-            flat.copy_(self.all_reduce(flat, group=self.group))
-            future.set_result(None)
-        stamped = future.then(lambda _: self.events.append((time.perf_counter(), "done", i)))
-        self.in_flight.append((i, flat, work, stamped))
+            pending = comms.all_reduce(flat, self.group, async_op=True)
+        else:  # the book's ring runs to completion here, every message counted by the ledger
+            total = self.all_reduce(flat, group=self.group)
+            pending = comms.Pending([], lambda: total, f"the ring all-reduce of bucket {i}")
+        self.in_flight.append((i, self.timeline.launched(i, pending)))
 
     def finish(self) -> None:
         """Wait for every bucket and write the averaged gradients back into ``.grad``."""
         if self.require_sync and any(self.waiting):
             missing = [i for i, n in enumerate(self.waiting) if n]
             raise RuntimeError(f"buckets {missing} never became ready: a parameter got no gradient")
-        for i, flat, work, stamped in self.in_flight:
-            if work is not None:
-                work.wait()
-            stamped.wait()  # the completion time is recorded too
-            _unflatten_into(flat, self.buckets[i])
+        for i, pending in self.in_flight:
+            _unflatten_into(pending.wait(), self.buckets[i])
         self._reset()
 
     @contextlib.contextmanager
@@ -158,55 +171,40 @@ class OverlappedDDP:
         finally:
             self.require_sync = True
 
-    def remove(self) -> None:
-        for hook in self._hooks:
-            hook.remove()
 
-
-class CommunicationWatch:
+class CommunicationWatch(TorchCollectives):
     """The order of events in a data-parallel step, recorded from outside the code under test.
 
     Create it on the model *before* the DDP under test: hooks on one tensor run in the order they were
     registered, so on every parameter the watch hears of the gradient before the DDP does. Inside
-    ``with watch:``, ``torch.distributed.all_reduce`` is wrapped too. ``events`` then lists, in the order they
-    happened on this rank, ``("grad", name, nbytes)`` when a parameter's gradient was accumulated and
-    ``("all_reduce", numel, nbytes)`` when an all-reduce was called on a buffer. The hooks go at the end of
-    the ``with`` block.
+    ``with watch:`` it is a :class:`~helpers.parallel.context_parallel.TorchCollectives`: ``calls`` records
+    every ``torch.distributed`` operation that runs, however it was called, in order; ``grads`` lists ``(name,
+    nbytes, calls)`` for each gradient accumulated, ``calls`` being how many operations had run by then. The
+    hooks go at the end of the ``with`` block.
     """
 
     def __init__(self, model: torch.nn.Module):
-        self.events: list[tuple[str, object, int]] = []
+        super().__init__()
+        self.grads: list[tuple[str, int, int]] = []
         self.param_bytes = {n: p.numel() * p.element_size() for n, p in model.named_parameters()}
         self._hooks = [p.register_post_accumulate_grad_hook(self._grad(n))
                        for n, p in model.named_parameters()]
-        self._all_reduce = None
 
     def _grad(self, name: str):
-        return lambda p: self.events.append(("grad", name, p.numel() * p.element_size()))
-
-    def __enter__(self):
-        original = self._all_reduce = dist.all_reduce
-
-        def all_reduce(tensor, *args, **kwargs):
-            self.events.append(("all_reduce", tensor.numel(), tensor.numel() * tensor.element_size()))
-            return original(tensor, *args, **kwargs)
-
-        dist.all_reduce = all_reduce
-        return self
+        return lambda p: self.grads.append((name, p.numel() * p.element_size(), len(self.calls)))
 
     def __exit__(self, *exc) -> None:
-        dist.all_reduce = self._all_reduce
+        super().__exit__(*exc)
         for hook in self._hooks:
             hook.remove()
 
-    def all_reduce_bytes(self) -> list[int]:
-        """The bytes of each all-reduce's buffer, in call order."""
-        return [nbytes for kind, _, nbytes in self.events if kind == "all_reduce"]
+    def all_reduce_bytes(self, calls: int | None = None) -> list[int]:
+        """The bytes of each all-reduce's buffer, in call order (among the first ``calls`` operations)."""
+        return [sum(numels) * size for op, _, numels, size in self.calls[:calls] if op == "allreduce_"]
 
     def launched_before_last_gradient(self) -> int:
         """How many all-reduces were called before the last gradient of backward was ready."""
-        last = max((i for i, (kind, _, _) in enumerate(self.events) if kind == "grad"), default=-1)
-        return sum(1 for kind, _, _ in self.events[:last] if kind == "all_reduce")
+        return len(self.all_reduce_bytes(self.grads[-1][2] if self.grads else 0))
 
 
 def check_communication(label: str, watch: CommunicationWatch, cap_bytes: int) -> None:
