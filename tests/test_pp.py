@@ -4,11 +4,13 @@ small run of each schedule on two ranks.
 The schedule tests run in this process, in exact fractions: the simulator reproduces every bubble and
 peak-memory formula, and a broken schedule raises a ScheduleError naming the rank, the action and the
 micro-batch. The split backward (I, then W) is checked against the whole backward in this process: the same
-gradients bit for bit, and between them exactly its FLOPs; the model's chunks in a row are the model bit for
-bit. The distributed test starts two ranks, runs each schedule on a small GPT, and compares the loss (within
-1e-6 relative) and the gradients (within rtol 1e-6 of each tensor's largest entry: fp32 rounding) with the
-single process here, and the activations each rank kept, measured by saved-tensor hooks, and the bytes each
-rank sent and received with the formulas, exactly. Fixed stage times change no gradient, bit for bit.
+gradients bit for bit, and between them exactly its FLOPs; the model's chunks (GPTs, under the reference's
+names) in a row are the model bit for bit, at positions other than the default too. The distributed test
+starts two ranks, runs each schedule on a small GPT, and compares the loss (within 1e-6 relative) and the
+gradients (within rtol 1e-6 of each tensor's largest entry: fp32 rounding) with the single process here, and
+the activations each rank kept, measured by saved-tensor hooks, and the bytes each rank sent and received with
+the formulas, exactly; so does a run given positions other than the default. Fixed stage times change no
+gradient, bit for bit.
 """
 
 from dataclasses import replace
@@ -129,17 +131,21 @@ def test_a_bad_layout_names_the_broken_constraint(cfg, n_chunks, message):
 def test_the_chunks_in_a_row_are_the_reference_bit_for_bit(n_chunks):
     reference = GPT(CFG, seed=0)
     chunks = pipeline_parallel.split_model(reference, n_chunks)
-    names = sorted(n for c in chunks for n in c.reference_names())
-    assert names == sorted(n for n, _ in reference.named_parameters())
+    assert all(isinstance(c, GPT) for c in chunks)
+    names = sorted(n for c in chunks for n, _ in c.named_parameters())
+    assert names == sorted(n for n, _ in reference.named_parameters())  # the reference's names, each once
     full = dict(reference.named_parameters())
     for c in chunks:
-        for n, p in c.reference_names().items():
+        for n, p in c.named_parameters():
             assert torch.equal(p, full[n]) and p is not full[n], n  # a copy, equal
-    x, _ = seeded_batch(CFG, 2)
-    h = x
-    for c in chunks:
-        h = c(h)
-    assert torch.equal(h, reference(x))
+    x, y = seeded_batch(CFG, 2)
+    positions = torch.arange(1, CFG.seq_len)  # not the default: the first chunk must use them
+    h = x[:, 1:]
+    for c in chunks[:-1]:
+        h = c(h, positions=positions)
+    logits, loss = chunks[-1](h, y[:, 1:], positions=positions)
+    want_logits, want_loss = reference(x[:, 1:], y[:, 1:], positions=positions)
+    assert torch.equal(logits, want_logits) and torch.equal(loss, want_loss)
 
 
 def test_the_formula_for_bytes_counts_the_boundaries_between_ranks():
@@ -208,20 +214,22 @@ def test_saved_activations_follow_autograd_from_forward_to_the_last_backward():
 
 
 @ipp.interactive  # sent by value: the engines cannot import this test module
-def _pipeline_step(cfg, schedule, x, y, stage_seconds=None):
+def _pipeline_step(cfg, schedule, x, y, stage_seconds=None, positions=None):
     import torch.distributed as dist
 
     from helpers.model import GPT
     from helpers.parallel import pipeline_parallel
     from helpers.parallel.ledger import LEDGER
+    from helpers.reference import named_grads
 
-    rank = dist.get_rank()
     base = GPT(cfg, seed=0)
-    chunks = {c: pipeline_parallel.PipelineChunk(base, c, schedule.n_chunks)
-              for c in schedule.chunks_of(rank)}
+    chunks = {c: pipeline_parallel.pipeline_chunk(base, c, schedule.n_chunks)
+              for c in schedule.chunks_of(dist.get_rank())}
     LEDGER.clear()
-    losses, events = pipeline_parallel.run_schedule(schedule, chunks, x, y, rank, stage_seconds=stage_seconds)
-    return ({k: float(v) for k, v in losses.items()}, pipeline_parallel.chunk_grads(chunks.values()),
+    losses, events = pipeline_parallel.run_schedule(schedule, chunks, x, y, stage_seconds=stage_seconds,
+                                                    positions=positions)
+    return ({k: float(v) for k, v in losses.items()}, {n: g for c in chunks.values()
+                                                        for n, g in named_grads(c).items()},
             (max(e.saved_bytes for e in events), events[-1].saved_bytes), LEDGER.totals("pipeline"),
             [tuple(e) for e in events])
 
@@ -267,3 +275,18 @@ def test_a_deadlocking_schedule_fails_on_the_ranks_without_a_hang(ranks):
     bad = pipeline_schedules.Schedule("1F1B", 2, M, good.placement, tuple(swap))  # warm-up counts reversed
     with pytest.raises(ipp.error.CompositeError, match="deadlock"):
         ranks.apply(_pipeline_step, CFG, bad, X, Y)
+
+
+def test_the_first_chunk_takes_the_positions_it_is_given(ranks):
+    # the second half of each sequence, at its own positions (as a context-parallel rank holds it)
+    half = CFG.seq_len // 2
+    x, y, positions = X[:, half:], Y[:, half:], torch.arange(half, CFG.seq_len)
+    reference = GPT(CFG, seed=0)
+    loss = reference(x, y, positions=positions)[1]
+    loss.backward()
+    want = {n: p.grad for n, p in reference.named_parameters()}
+    s = pipeline_schedules.one_f_one_b(2, M)
+    results = ranks.apply(_pipeline_step, CFG, s, x, y, None, positions)
+    assert sum(results[1][0].values()) / M == pytest.approx(loss.item(), rel=1e-6)
+    grads = {n: g for _, per_rank, _, _, _ in results for n, g in per_rank.items()}
+    assert_close_to_scale(grads, want, RTOL, "positions given to the first chunk, the two stages' gradients:")

@@ -1,17 +1,16 @@
 """Pipeline parallelism from scratch (chapter 06): the book's GPT cut into chunks, and one executor for any
 schedule.
 
-- :class:`PipelineChunk` is a contiguous run of the GPT's layers (the first chunk also embeds the tokens, the
-  last also normalises, projects to the vocabulary and returns the loss); :func:`split_model` cuts the
-  reference into ``n_chunks`` of them, with the layers of
+- :func:`pipeline_chunk` is a slice of the one reference GPT: a copy keeping a run of its blocks, with the
+  embeddings only on the first chunk and the final norm and LM head only on the last (the others ``None``),
+  under the reference's parameter names; :func:`split_model` cuts a model into chunks of
   :func:`helpers.parallel.pipeline_schedules.stage_layers`.
-- :func:`run_schedule` runs one rank's list of actions from a
-  :class:`helpers.parallel.pipeline_schedules.Schedule`. Activations travel forward and their gradients
-  backward by point-to-point messages, each tagged with its kind, chunk and micro-batch, so a message can only
-  be taken for the one it is; sends are asynchronous and receives wait, so the order the schedule gives is the
-  order the rank works in. Every message is counted in :data:`helpers.parallel.ledger.LEDGER` as it is posted;
-  every action is written into the rank's list of :class:`Event` s, with the bytes :class:`SavedActivations`
-  measured afterwards.
+- :func:`run_schedule` runs this rank's (the group's rank) actions of a
+  :class:`helpers.parallel.pipeline_schedules.Schedule`, one :class:`Executor` method per action: F, B or I,
+  W. Activations travel forward and their gradients backward by the tagged messages of
+  :mod:`helpers.parallel.comms`, counted in the ledger; sends are asynchronous and receives wait, so the rank
+  works in the schedule's order. Each action becomes an :class:`Event`, with the bytes
+  :class:`SavedActivations` measures.
 - :func:`backward_input` and :func:`backward_weight` split a chunk's backward in two for the zero-bubble
   schedules, as ``torch.distributed.pipelining`` does: the first computes the gradients of the activations
   only, keeping the gradient at the output of every layer with weights; the second computes the weights'
@@ -27,7 +26,7 @@ from __future__ import annotations
 
 import copy
 import time
-from datetime import timedelta
+from contextlib import contextmanager
 from typing import NamedTuple
 
 import torch
@@ -36,9 +35,8 @@ from torch import nn
 from torch.autograd.graph import get_gradient_edge, saved_tensors_hooks
 
 from helpers import layout_rules
-from helpers.dist import collective_timeout
 from helpers.model import GPT, GPTConfig, cross_entropy
-from helpers.parallel.ledger import LEDGER, Message
+from helpers.parallel import comms
 from helpers.parallel.pipeline_schedules import Action, Schedule, stage_layers, validate
 
 
@@ -51,58 +49,30 @@ def check_layout(cfg: GPTConfig, n_chunks: int) -> None:
                          "between the two stages, as Megatron-LM does)")
 
 
-class PipelineChunk(nn.Module):
-    """Layers ``layers`` of the book's GPT, copied from ``reference``; the first chunk embeds, the last one
-    ends with the final norm and the LM head. Its forward maps token ids (first chunk) or activations to
-    activations (or, for the last chunk, logits)."""
-
-    def __init__(self, reference: GPT, index: int, n_chunks: int):
-        super().__init__()
-        check_layout(reference.cfg, n_chunks)
-        self.index, self.n_chunks = index, n_chunks
-        self.layers = stage_layers(reference.cfg.n_layers, n_chunks)[index]
-        self.first, self.last = index == 0, index == n_chunks - 1
-        if self.first:
-            self.tok_emb, self.pos_emb = copy.deepcopy(reference.tok_emb), copy.deepcopy(reference.pos_emb)
-        self.blocks = nn.ModuleList(copy.deepcopy(reference.blocks[i]) for i in self.layers)
-        if self.last:
-            self.ln_f, self.lm_head = copy.deepcopy(reference.ln_f), copy.deepcopy(reference.lm_head)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.first:
-            x = self.tok_emb(x) + self.pos_emb(torch.arange(x.shape[1], device=x.device))
-        for block in self.blocks:
-            x = block(x)
-        return self.lm_head(self.ln_f(x)) if self.last else x
-
-    def reference_names(self) -> dict[str, nn.Parameter]:
-        """This chunk's parameters under the reference model's names (``blocks.5.…`` rather than
-        ``blocks.1.…``)."""
-        out = {}
-        for name, p in self.named_parameters():
-            if name.startswith("blocks."):
-                local, rest = name[len("blocks."):].split(".", 1)
-                name = f"blocks.{self.layers[int(local)]}.{rest}"
-            out[name] = p
-        return out
+def pipeline_chunk(model: GPT, index: int, n_chunks: int) -> GPT:
+    """Chunk ``index`` of ``n_chunks``: a copy of ``model`` with only that chunk's blocks; the embeddings stay
+    on the first chunk, the final norm and the LM head on the last. Its forward maps token ids (first chunk)
+    or activations to activations (or, on the last chunk, logits and with targets the loss)."""
+    check_layout(model.cfg, n_chunks)
+    keep = stage_layers(model.cfg.n_layers, n_chunks)[index]
+    chunk = copy.deepcopy(model)
+    for name in list(chunk.blocks.keys()):
+        if int(name) not in keep:
+            del chunk.blocks[name]  # the others keep their names: blocks.5 stays blocks.5
+    if index > 0:
+        chunk.tok_emb = chunk.pos_emb = None
+    if index < n_chunks - 1:
+        chunk.ln_f = chunk.lm_head = None
+    return chunk
 
 
-def split_model(reference: GPT, n_chunks: int) -> list[PipelineChunk]:
-    """The reference cut into ``n_chunks`` chunks along its depth."""
-    return [PipelineChunk(reference, c, n_chunks) for c in range(n_chunks)]
-
-
-def chunk_grads(chunks) -> dict[str, torch.Tensor]:
-    """The gradients of some chunks, under the reference's names."""
-    return {n: p.grad.detach().clone() for c in chunks for n, p in c.reference_names().items()}
-
-
-def chunk_params(chunks) -> dict[str, torch.Tensor]:
-    return {n: p.detach().clone() for c in chunks for n, p in c.reference_names().items()}
+def split_model(model: GPT, n_chunks: int) -> list[GPT]:
+    """``model`` cut into ``n_chunks`` chunks along its depth."""
+    return [pipeline_chunk(model, c, n_chunks) for c in range(n_chunks)]
 
 
 # ---------------------------------------------------------------------------------------------------------
-# The executor
+# What a rank records: events and saved activations
 # ---------------------------------------------------------------------------------------------------------
 
 
@@ -185,6 +155,35 @@ class SavedActivations:
             h.remove()
 
 
+class _Timeline:
+    """A rank's :class:`Event` s: the times around each action's computation, padded by a sleep to the
+    stage's fixed time for its kind where ``seconds`` gives one, and the bytes saved after it."""
+
+    def __init__(self, chunks, seconds: dict):
+        self.saved = SavedActivations(chunks)
+        self.seconds, self.events = seconds, []
+        self.waited = time.perf_counter()
+
+    @contextmanager
+    def computing(self, kind: str):
+        self.start = time.perf_counter()
+        yield
+        self.computed = time.perf_counter()
+        if self.seconds.get(kind):
+            time.sleep(max(0.0, self.start + self.seconds[kind] - self.computed))
+        self.end = time.perf_counter()
+
+    def record(self, a: Action) -> None:
+        self.events.append(Event(a.kind, a.chunk, a.micro_batch, self.waited, self.start, self.computed,
+                                 self.end, self.saved.bytes))
+        self.waited = time.perf_counter()  # the next action starts waiting for its input
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The executor
+# ---------------------------------------------------------------------------------------------------------
+
+
 def _tag(kind: str, chunk: int, micro_batch: int, m: int) -> int:
     """One tag per message: the activation leaving ``chunk`` (kind "F") or the gradient of its input
     ("grad")."""
@@ -192,48 +191,39 @@ def _tag(kind: str, chunk: int, micro_batch: int, m: int) -> int:
 
 
 class _Mailbox:
-    """Point-to-point messages of one rank: asynchronous tagged sends, waited receives, each counted in the
-    ledger with the bytes of the tensor it carries."""
+    """One rank's point-to-point messages, through :mod:`helpers.parallel.comms`: asynchronous tagged sends
+    and waited receives, each counted in the ledger with the bytes of the tensor it carries. Chunk ``c``'s
+    activation goes to the rank of chunk ``c + 1``, the gradient of its input to that of ``c - 1``."""
 
-    def __init__(self, s: Schedule, rank: int, group, timeout_s: float):
-        self.s, self.rank, self.group, self.timeout_s = s, rank, group, timeout_s
+    def __init__(self, s: Schedule, group, like: torch.Tensor, timeout_s: float | None):
+        self.s, self.group, self.like, self.timeout_s = s, group, like, timeout_s
+        self.rank = dist.get_rank(group)
         self.pending: list = []
         self.local: dict = {}  # messages between two chunks of the same rank need no network
 
-    def _peer(self, rank: int) -> int:
-        return rank if self.group is None else dist.get_global_rank(self.group, rank)
-
-    def send(self, tensor, kind: str, chunk: int, micro_batch: int, dst: int, step: int) -> None:
-        tensor = tensor.detach().contiguous()
+    def send(self, tensor, kind: str, chunk: int, micro_batch: int, step: int) -> None:
+        dst = self.s.placement[chunk + 1 if kind == "F" else chunk - 1]
         if dst == self.rank:
-            self.local[(kind, chunk, micro_batch)] = tensor
+            self.local[(kind, chunk, micro_batch)] = tensor.detach()
             return
-        phase = "activations" if kind == "F" else "gradients"
-        nbytes = tensor.numel() * tensor.element_size()
-        LEDGER.messages.append(Message("pipeline", phase, step, "send", dst, nbytes))
-        self.pending.append(dist.isend(tensor, self._peer(dst), group=self.group,
-                                       tag=_tag(kind, chunk, micro_batch, self.s.m)))
+        self.pending.append(comms.send(tensor, dst, self.group, tag=_tag(kind, chunk, micro_batch, self.s.m),
+                                       label="pipeline", phase=_PHASES[kind], step=step))
 
-    def recv(self, like, kind: str, chunk: int, micro_batch: int, src: int, step: int, action: Action):
+    def recv(self, kind: str, chunk: int, micro_batch: int, step: int) -> torch.Tensor:
+        """The message of ``kind`` that chunk ``chunk`` sent for ``micro_batch``."""
+        src = self.s.placement[chunk]
         if src == self.rank:
             return self.local.pop((kind, chunk, micro_batch))
-        buf = torch.empty_like(like)
-        phase = "activations" if kind == "F" else "gradients"
-        nbytes = buf.numel() * buf.element_size()
-        LEDGER.messages.append(Message("pipeline", phase, step, "recv", src, nbytes))
-        work = dist.irecv(buf, self._peer(src), group=self.group,
-                          tag=_tag(kind, chunk, micro_batch, self.s.m))
-        try:
-            work.wait(timeout=timedelta(seconds=self.timeout_s))
-        except RuntimeError as err:
-            raise RuntimeError(f"rank {self.rank}, action {step} ({action}): nothing arrived from rank {src} "
-                               f"within {self.timeout_s:.0f} s ({err})") from None
-        return buf
+        return comms.recv(self.like, src, self.group, tag=_tag(kind, chunk, micro_batch, self.s.m),
+                          label="pipeline", phase=_PHASES[kind], step=step, timeout_s=self.timeout_s)
 
     def flush(self) -> None:
-        for work in self.pending:
-            work.wait(timeout=timedelta(seconds=self.timeout_s))
+        for sent in self.pending:
+            sent.wait()
         self.pending.clear()
+
+
+_PHASES = {"F": "activations", "grad": "gradients"}
 
 
 def weight_layers(chunk: nn.Module) -> list[nn.Module]:
@@ -241,14 +231,15 @@ def weight_layers(chunk: nn.Module) -> list[nn.Module]:
     return [mod for mod in chunk.modules() if any(True for _ in mod.parameters(recurse=False))]
 
 
-def forward_step(chunk: PipelineChunk, x: torch.Tensor):
-    """``chunk(x)``, and where each layer with weights handed its output on to the graph (its gradient edge):
-    the point the weight-gradient step restarts from. Edges keep the graph's nodes, not the outputs."""
+def forward_step(chunk: nn.Module, *args, **kwargs):
+    """``chunk(*args, **kwargs)``, and where each layer with weights handed its output on to the graph (its
+    gradient edge): the point the weight-gradient step restarts from. Edges keep the graph's nodes, not the
+    outputs."""
     edges = []
     hooks = [mod.register_forward_hook(lambda mod, args, y: edges.append((mod, get_gradient_edge(y))))
              for mod in weight_layers(chunk)]
     try:
-        out = chunk(x)
+        out = chunk(*args, **kwargs)
     finally:
         for h in hooks:
             h.remove()
@@ -277,19 +268,67 @@ def backward_weight(kept) -> None:
             p.grad = g if p.grad is None else p.grad + g  # accumulate over micro-batches
 
 
-def _pad(start: float, seconds: float | None) -> tuple[float, float]:
-    """When the computation ended, and when the action ends: padded by a sleep to ``seconds`` after
-    ``start``."""
-    computed = time.perf_counter()
-    if seconds:
-        time.sleep(max(0.0, start + seconds - computed))
-    return computed, time.perf_counter()
+class Executor:
+    """One rank's run of schedule ``s`` on its ``chunks`` (``{chunk index: chunk}``) for one global batch,
+    split into ``s.m`` micro-batches: each method runs one action; what a backward needs is ``kept``."""
+
+    def __init__(self, s: Schedule, chunks: dict[int, GPT], tokens, targets, *, group=None, positions=None,
+                 activation_shape=None, timeout_s=None, stage_seconds=None):
+        validate(s)
+        self.rank = dist.get_rank(group)
+        if sorted(chunks) != s.chunks_of(self.rank):
+            raise ValueError(f"rank {self.rank} runs chunks {s.chunks_of(self.rank)} in {s.name}, "
+                             f"but was given {sorted(chunks)}")
+        if tokens.shape[0] % s.m:
+            raise ValueError(f"m={s.m} micro-batches must divide the batch of {tokens.shape[0]} sequences")
+        self.s, self.chunks, self.positions, self.last = s, chunks, positions, s.n_chunks - 1
+        self.xs, self.ys = tokens.chunk(s.m), targets.chunk(s.m)
+        some_chunk = next(iter(chunks.values()))
+        shape = activation_shape or (*self.xs[0].shape, some_chunk.cfg.d_model)  # between two chunks
+        like = torch.empty(shape, dtype=next(some_chunk.parameters()).dtype)
+        self.mail = _Mailbox(s, group, like, timeout_s)
+        self.timeline = _Timeline(chunks.values(), {kind: t / len(chunks)  # a chunk's share of a stage
+                                                    for kind, t in (stage_seconds or {}).items()})
+        self.kept, self.losses = {}, {}
+
+    def forward(self, a: Action, step: int) -> None:
+        c, i = a.chunk, a.micro_batch
+        x = self.xs[i] if c == 0 else self.mail.recv("F", c - 1, i, step).requires_grad_()
+        target = self.ys[i] if c == self.last else None
+        with self.timeline.computing("F"):  # padded before the send: the next rank starts after it
+            out, edges = forward_step(self.chunks[c], x, target, positions=self.positions if c == 0 else None)
+            if c == self.last:  # the chunk's own loss; this micro-batch's share of the batch's mean
+                self.losses[str(i)] = out[1].detach()
+                out = out[1] / self.s.m
+        if c < self.last:
+            self.mail.send(out, "F", c, i, step)
+        self.kept[(c, i)] = (x, out, edges)
+
+    def backward(self, a: Action, step: int) -> None:
+        c, i = a.chunk, a.micro_batch
+        x, out, edges = self.kept.pop((c, i))
+        grad = None if c == self.last else self.mail.recv("grad", c + 1, i, step)
+        with self.timeline.computing(a.kind):
+            if a.kind == "B":
+                torch.autograd.backward(out, grad)
+                input_grad = x.grad
+            else:  # only the activations' gradients now; what W needs is kept, not the input and output
+                input_grad, self.kept[(c, i)] = backward_input(out, grad, x, edges)
+        if c > 0:
+            self.mail.send(input_grad, "grad", c, i, step)
+
+    def weight(self, a: Action, step: int) -> None:
+        with self.timeline.computing("W"):
+            backward_weight(self.kept.pop((a.chunk, a.micro_batch)))
 
 
-def run_schedule(s: Schedule, chunks: dict[int, PipelineChunk], tokens: torch.Tensor, targets: torch.Tensor,
-                 rank: int, *, group=None, timeout_s: float | None = None, stage_seconds: dict | None = None):
-    """Run rank ``rank``'s actions of ``s`` on its ``chunks`` (``{chunk index: PipelineChunk}``) for one
-    global batch, split into ``s.m`` micro-batches. Gradients accumulate into the chunks' parameters.
+def run_schedule(s: Schedule, chunks: dict[int, GPT], tokens: torch.Tensor, targets: torch.Tensor, *,
+                 group=None, positions=None, activation_shape=None, timeout_s: float | None = None,
+                 stage_seconds: dict | None = None):
+    """Run this rank's (``dist.get_rank(group)``) actions of ``s`` on its ``chunks`` (``{chunk index:
+    chunk}``) for one global batch, split into ``s.m`` micro-batches. Gradients accumulate into the chunks'
+    parameters. The first chunk is given ``positions`` (by default ``0 … time-1``); ``activation_shape`` is
+    the shape of the tensors between chunks (by default ``(micro-batch, time, d_model)``).
 
     ``stage_seconds`` (e.g. ``{"F": 0.02, "B": 0.04, "I": 0.02, "W": 0.02}``, for a whole stage; a chunk of a
     rank holding ``v`` chunks takes ``1/v`` of it) pads every action with a sleep to a fixed duration, so that
@@ -299,63 +338,17 @@ def run_schedule(s: Schedule, chunks: dict[int, PipelineChunk], tokens: torch.Te
     and one :class:`Event` per action. The schedule is validated first, so a bad one raises a
     :class:`helpers.parallel.pipeline_schedules.ScheduleError` before any message is sent.
     """
-    validate(s)
-    if sorted(chunks) != s.chunks_of(rank):
-        raise ValueError(f"rank {rank} runs chunks {s.chunks_of(rank)} in {s.name}, "
-                         f"but was given {sorted(chunks)}")
-    if tokens.shape[0] % s.m:
-        raise ValueError(f"m={s.m} micro-batches must divide the batch of {tokens.shape[0]} sequences")
-    xs, ys = tokens.chunk(s.m), targets.chunk(s.m)
-    some_chunk = next(iter(chunks.values()))
-    d_model = some_chunk.blocks[0].ln1.normalized_shape[0]
-    dtype = next(some_chunk.parameters()).dtype
-    like = torch.empty(*xs[0].shape, d_model, dtype=dtype)  # the activations between chunks
-    mail = _Mailbox(s, rank, group, timeout_s or collective_timeout())
-    seconds = {kind: t / len(chunks) for kind, t in (stage_seconds or {}).items()}
-    saved = SavedActivations(chunks.values())
-    kept, losses, events = {}, {}, []
-    last = s.n_chunks - 1
+    run = Executor(s, chunks, tokens, targets, group=group, positions=positions,
+                   activation_shape=activation_shape, timeout_s=timeout_s, stage_seconds=stage_seconds)
+    actions = {"F": run.forward, "B": run.backward, "I": run.backward, "W": run.weight}
     try:
-        for step, a in enumerate(s.actions[rank]):
-            c, i = a.chunk, a.micro_batch
-            waited = time.perf_counter()
-            if a.kind == "F":
-                if c == 0:
-                    x = xs[i]
-                else:
-                    x = mail.recv(like, "F", c - 1, i, s.placement[c - 1], step, a).requires_grad_()
-                start = time.perf_counter()
-                out, edges = forward_step(chunks[c], x)
-                if c == last:
-                    out = cross_entropy(out, ys[i]) / s.m  # this micro-batch's share of the batch's mean loss
-                    losses[str(i)] = out.detach() * s.m
-                # padded before the send: the next rank starts after it
-                computed, end = _pad(start, seconds.get("F"))
-                if c < last:
-                    mail.send(out, "F", c, i, s.placement[c + 1], step)
-                kept[(c, i)] = (x, out, edges)
-            elif a.kind in ("B", "I"):
-                x, out, edges = kept.pop((c, i))
-                grad = None if c == last else mail.recv(like, "grad", c + 1, i, s.placement[c + 1], step, a)
-                start = time.perf_counter()
-                if a.kind == "B":
-                    torch.autograd.backward(out, grad)
-                    input_grad = x.grad
-                else:  # only the activations' gradients now; what W needs is kept, not the input and output
-                    input_grad, kept[(c, i)] = backward_input(out, grad, x, edges)
-                computed, end = _pad(start, seconds.get(a.kind))
-                if c > 0:
-                    mail.send(input_grad, "grad", c, i, s.placement[c - 1], step)
-            else:
-                start = time.perf_counter()
-                backward_weight(kept.pop((c, i)))
-                computed, end = _pad(start, seconds.get("W"))
-            x = out = edges = grad = input_grad = None  # of this micro-batch only kept outlives the action
-            events.append(Event(a.kind, c, i, waited, start, computed, end, saved.bytes))
-        mail.flush()
+        for step, a in enumerate(s.actions[run.rank]):
+            actions[a.kind](a, step)
+            run.timeline.record(a)  # its times, and the bytes still saved for backward
+        run.mail.flush()
     finally:
-        saved.close()
-    return losses, events
+        run.timeline.saved.close()
+    return run.losses, run.timeline.events
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -364,27 +357,29 @@ def run_schedule(s: Schedule, chunks: dict[int, PipelineChunk], tokens: torch.Te
 
 
 def torch_stage_indices(style: str, rank: int, p: int, v: int) -> list[int]:
-    """The chunks a rank holds: ``loop`` (chunk ``c`` on rank ``c mod p``) or ``v`` (ranks ``0…p-1`` then
-    back)."""
+    """The chunks rank ``rank`` of ``p`` holds: ``loop`` (chunk ``c`` on rank ``c mod p``) or ``v`` (ranks
+    ``0…p-1`` then back)."""
     if style == "v":
         return [rank, 2 * p - 1 - rank]
     return [rank + k * p for k in range(v)]
 
 
-def torch_pipeline(schedule_cls, reference: GPT, tokens, targets, rank: int, p: int, m: int, *, style="loop",
-                   v: int = 1, group=None, **schedule_kwargs):
+def torch_pipeline(schedule_cls, model: GPT, tokens, targets, m: int, *, style="loop", v: int = 1, group=None,
+                   **schedule_kwargs):
     """One step of ``torch.distributed.pipelining``'s ``schedule_cls`` on the same chunks as
-    :func:`run_schedule`.
+    :func:`run_schedule`, over the ranks of ``group``.
 
-    Its loss function returns each micro-batch's mean loss, and with ``scale_grads=True`` (the default) the
-    schedule divides the accumulated gradients by ``m``: the same gradients as the whole batch's mean loss.
+    Each stage calls its chunk without targets, so the last returns logits, to which the schedule applies its
+    loss function: each micro-batch's mean loss; with ``scale_grads=True`` (the default) the schedule divides
+    the accumulated gradients by ``m``: the same gradients as the whole batch's mean loss.
     Returns ``(losses, chunks)``.
     """
     from torch.distributed.pipelining import PipelineStage
 
+    rank, p = dist.get_rank(group), dist.get_world_size(group)
     n_chunks = v * p if style == "loop" else 2 * p
-    chunks = split_model(reference, n_chunks)
     mine = torch_stage_indices(style, rank, p, v)
+    chunks = {c: pipeline_chunk(model, c, n_chunks) for c in mine}
     stages = [PipelineStage(chunks[c], c, n_chunks, torch.device("cpu"), group=group) for c in mine]
     single = len(stages) == 1
     schedule = schedule_cls(stages[0] if single else stages, n_microbatches=m, loss_fn=cross_entropy,
@@ -393,4 +388,4 @@ def torch_pipeline(schedule_cls, reference: GPT, tokens, targets, rank: int, p: 
     args = (tokens,) if 0 in mine else ()
     kwargs = {"target": targets, "losses": losses} if n_chunks - 1 in mine else {}
     schedule.step(*args, **kwargs)
-    return [float(x.detach()) for x in losses], [chunks[c] for c in mine]
+    return [float(x.detach()) for x in losses], list(chunks.values())
