@@ -254,22 +254,17 @@ def _mark_sequence_parallel(*modules: nn.Module) -> None:
 
 
 def parallelize(model: GPT, group=None, sequence_parallel: bool = False) -> GPT:
-    """Make ``model`` (a GPT, or a pipeline stage of one) tensor-parallel over ``group``, in place.
-
-    Each layer becomes its parallel form, holding this rank's shards of the current weights; the norms stay
-    whole. ``GPT.forward`` then gives this rank's slice of the logits (its vocabulary range) and the
-    vocabulary-parallel loss; with ``sequence_parallel`` the residual stream between the parallel layers holds
-    this rank's ``seq_len/tp`` positions. An attention ``core`` already set is kept. A model that cannot be
-    split is refused before anything changes.
-    """
+    """Make ``model`` (a GPT, or a pipeline stage of one) tensor-parallel over ``group``, in place: each layer
+    becomes its parallel form, holding this rank's shards of its weights; the norms stay whole, an attention
+    ``core`` already set is kept. What it cannot split is refused before anything changes. Apply it to a
+    pipeline's chunks, not before the split: a chunk is a deep copy, and a process group cannot be copied."""
     check_layout(model.cfg, dist.get_world_size(group), sequence_parallel)
     for name, block in model.blocks.items():
         for part, want in (("attn", Attention), ("mlp", MLP)):
             if type(getattr(block, part)) is not want:  # a MoE layer, or one split already
                 raise ValueError(f"tensor_parallel.parallelize: blocks.{name}.{part} is a "
-                                 f"{type(getattr(block, part)).__name__}, not helpers.model.{want.__name__}: "
-                                 f"tensor parallelism splits those dense layers, once (a MoE layer is split "
-                                 f"by expert parallelism)")
+                                 f"{type(getattr(block, part)).__name__}, not helpers.model.{want.__name__} "
+                                 f"(a MoE layer is split by expert parallelism)")
     split = dict(group=group, sequence_parallel=sequence_parallel)
     for block in model.blocks:
         block.attn, block.mlp = ParallelAttention(block.attn, **split), ParallelMLP(block.mlp, **split)
