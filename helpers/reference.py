@@ -53,7 +53,7 @@ def _forward_backward(model: nn.Module):
     return step
 
 
-def train_steps(model: nn.Module | None, data, *, lr: float, step=None, params=None,
+def train_steps(model: nn.Module | None, data, *, lr: float | None = None, step=None, params=None,
                 optimizer: torch.optim.Optimizer | None = None) -> list[float | None]:
     """One optimizer step per ``(inputs, targets)`` of ``data``; the losses, as floats.
 
@@ -62,6 +62,8 @@ def train_steps(model: nn.Module | None, data, *, lr: float, step=None, params=N
     at ``lr`` over ``params`` (by default the model's), unless one is given.
     """
     step = step or _forward_backward(model)
+    if (optimizer is None) == (lr is None):
+        raise ValueError("give train_steps either lr (for AdamW) or an optimizer, not both")
     if optimizer is None:
         optimizer = torch.optim.AdamW(model.parameters() if params is None else params, lr=lr)
     losses = []
@@ -69,7 +71,7 @@ def train_steps(model: nn.Module | None, data, *, lr: float, step=None, params=N
         loss = step(xs, ys)
         optimizer.step()
         optimizer.zero_grad()
-        losses.append(None if loss is None else float(loss))
+        losses.append(None if loss is None else float(torch.as_tensor(loss).detach()))
     return losses
 
 

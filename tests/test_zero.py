@@ -55,7 +55,7 @@ def _single_process():
     model(*BATCHES[0])[1].backward()
     first_grads = named_grads(model)
     model.zero_grad()
-    train_steps(model, BATCHES, lr=ADAMW["lr"], optimizer=torch.optim.AdamW(model.parameters(), **ADAMW))
+    train_steps(model, BATCHES, optimizer=torch.optim.AdamW(model.parameters(), **ADAMW))
     return first_grads, named_params(model)
 
 
