@@ -7,9 +7,10 @@ The distributed test starts two ranks, runs a tensor-parallel (and a sequence-pa
 of a small GPT on each, and compares what they return with the single process here, within fp32 rounding:
 each rank's vocabulary slice of the logits within 1e-6 absolute, the loss within 1e-6 relative, and every
 unsharded gradient within rtol 1e-6 of its tensor's largest entry; two pipeline stages, each parallelized,
-give the whole model's logits (atol 1e-6). Without the all-reduce of the norms'
-gradients, sequence parallelism leaves one rank's gradient of the final norm more than 1e-3 (relative) from
-the reference in some entry, and the two ranks' shares sum to it (rtol 1e-5, atol 1e-7).
+give the whole model's logits (atol 1e-6), and so does each rank in a group of its own (rank and size come
+from the group). Without the all-reduce of the norms' gradients, sequence parallelism leaves one rank's
+gradient of the final norm more than 1e-3 (relative) from the reference in some entry, and the two ranks'
+shares sum to it (rtol 1e-5, atol 1e-7).
 """
 
 from dataclasses import replace
@@ -203,3 +204,25 @@ def test_two_parallelized_pipeline_stages_give_the_whole_models_logits(ranks, se
     per_rank = CFG.vocab_size // 2
     for rank, got in enumerate(ranks.apply(_two_stages, CFG, x, sequence_parallel)):
         torch.testing.assert_close(got, logits[..., rank * per_rank:(rank + 1) * per_rank], rtol=0, atol=1e-6)
+
+
+@ipp.interactive
+def _each_rank_alone(cfg, x, y):
+    import torch.distributed as dist
+
+    from helpers.model import GPT
+    from helpers.parallel import tensor_parallel
+
+    groups = [dist.new_group([r]) for r in range(dist.get_world_size())]  # every rank makes every group
+    model = tensor_parallel.parallelize(GPT(cfg, seed=0), groups[dist.get_rank()], sequence_parallel=True)
+    logits, loss = model(x, y)
+    return logits.detach(), loss.item()
+
+
+def test_rank_and_size_come_from_the_group(ranks):
+    """Each rank in a group of its own holds the whole model: rank 1 of the world is rank 0 of its group."""
+    x, y = seeded_batch(CFG, ROWS)
+    logits, loss = GPT(CFG, seed=0)(x, y)
+    for got_logits, got_loss in ranks.apply(_each_rank_alone, CFG, x, y):
+        torch.testing.assert_close(got_logits, logits.detach(), rtol=0, atol=1e-6)
+        assert got_loss == pytest.approx(loss.item(), rel=1e-6)
