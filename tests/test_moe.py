@@ -43,6 +43,13 @@ def test_a_bad_layout_names_the_broken_constraint():
     expert_parallel.check_layout(CFG, 2)
 
 
+def test_parallelize_refuses_a_model_without_moe_layers():
+    from helpers.model import GPT
+
+    with pytest.raises(ValueError, match="needs blocks whose mlp is a single-process MoELayer"):
+        expert_parallel.parallelize(GPT(small_config()))
+
+
 def test_the_load_balancing_loss_is_one_at_perfect_balance_and_E_at_collapse():
     E, tokens = 8, 64
     uniform = torch.full((tokens, E), 1 / E, dtype=torch.float64)

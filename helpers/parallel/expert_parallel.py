@@ -49,9 +49,8 @@ class _AllToAll(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        back = comms.all_to_all(grad, ctx.group, send_splits=ctx.recv, recv_splits=ctx.send,
-                                label=ctx.label + " (backward)")
-        return back, None, None, None, None
+        return comms.all_to_all(grad, ctx.group, send_splits=ctx.recv, recv_splits=ctx.send,
+                                label=ctx.label + " (backward)"), None, None, None, None
 
 
 def split_sizes(counts: list[int], group=None):
@@ -158,8 +157,8 @@ def parallelize(model: nn.Module, group=None, grouped: bool | None = None) -> nn
     """Make ``model`` (a GPT or a pipeline stage of one) expert-parallel over ``group`` in place: each block's
     :class:`MoELayer` becomes this rank's :class:`ExpertParallelMoE`. A dense model, or one already
     expert-parallel, is refused."""
-    layers = [block for block in model.blocks if isinstance(block.mlp, MoELayer)]
-    if not layers or any(isinstance(block.mlp, ExpertParallelMoE) for block in layers):
+    layers = [block for block in model.blocks if type(block.mlp) is MoELayer]
+    if not layers:
         raise ValueError("expert_parallel.parallelize needs blocks whose mlp is a single-process MoELayer "
                          "(not a dense MLP, and not expert-parallel already)")
     for block in layers:

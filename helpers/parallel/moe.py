@@ -242,9 +242,8 @@ class MoELayer(nn.Module):
 class MoEGPT(GPT):
     """:class:`helpers.model.GPT` with a :class:`MoELayer` in place of every block's MLP.
 
-    ``forward`` is :meth:`GPT.forward`'s; with targets the loss is the language model's (``lm_loss``) plus
-    ``aux_loss_coef`` times the load-balancing losses and ``z_loss_coef`` times the z-losses of all layers
-    (none on a pipeline stage without ``lm_head``, which returns activations).
+    ``forward`` is :meth:`GPT.forward`; its loss is the language model's (``lm_loss``) plus ``aux_loss_coef``
+    and ``z_loss_coef`` times the layers' load-balancing and z-losses (a stage without a head: activations).
     """
 
     def __init__(self, cfg: MoEConfig, seed: int = 0, segments: int = 1, grouped: bool = True):
