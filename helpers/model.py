@@ -23,8 +23,8 @@ The model has seams, so that each parallelism is a transformation of this one mo
   column-parallel layer;
 - positions and the loss are inputs of :meth:`GPT.forward` (a context-parallel rank passes its positions,
   tensor parallelism sets a vocabulary-parallel ``loss_fn``);
-- the blocks are named by their index in the whole model (:class:`Blocks`), so a pipeline stage that keeps some
-  of them, and no embedding or no head (``None``), keeps the reference's names.
+- the blocks are named by their index in the whole model (:class:`Blocks`), so a pipeline stage that keeps
+  some of them, and no embedding or no head (``None``), keeps the reference's names.
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ class GPTConfig:
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Causal scaled dot-product attention; each of the ``k.shape[1]`` KV heads serves ``n_rep`` query heads."""
+    """Causal scaled dot-product attention; each of ``k.shape[1]`` KV heads serves ``n_rep`` query heads."""
     n_rep = q.shape[1] // k.shape[1]  # query heads per KV head
     k, v = k.repeat_interleave(n_rep, dim=1), v.repeat_interleave(n_rep, dim=1)
     return F.scaled_dot_product_attention(q, k, v, is_causal=True)
@@ -130,8 +130,8 @@ class Block(nn.Module):
 
 class Blocks(nn.ModuleDict):
     """The transformer blocks, named ``"0"``, ``"1"``, … by their index in the whole model (torchtitan's
-    layout): a pipeline stage that deletes the others keeps the reference's parameter names. Indexing takes the
-    layer's number; iterating gives the blocks in order."""
+    layout): a pipeline stage that deletes the others keeps the reference's parameter names. Indexing takes
+    the layer's number; iterating gives the blocks in order."""
 
     def __getitem__(self, layer) -> nn.Module:
         return super().__getitem__(str(layer))

@@ -1,12 +1,12 @@
-"""The collectives later chapters call (chapter 02): each ``torch.distributed`` call booked once in the ledger.
+"""The collectives later chapters call (chapter 02): every ``torch.distributed`` call booked once.
 
-Chapter 02 builds collectives from point-to-point messages; that is the lesson, and it stays there. Every later
-chapter calls ``torch.distributed``'s own through this module, so that each call is written into
+Chapter 02 builds collectives from point-to-point messages; that is the lesson, and it stays there. Every
+later chapter calls ``torch.distributed``'s own through this module, so that each call is written into
 :data:`helpers.parallel.ledger.LEDGER` exactly once, from the tensor that goes on the wire:
 
 - :func:`all_reduce`, in place; :func:`all_gather` and :func:`reduce_scatter` along any dimension (a
-  reduce-scatter can pad a dimension the ranks do not divide); :func:`all_to_all` with split sizes, booked under
-  a label of the caller's choice — these are *booked* (the formula's bytes for the buffer passed);
+  reduce-scatter can pad a dimension the ranks do not divide); :func:`all_to_all` with split sizes, booked
+  under a label of the caller's choice — these are *booked* (the formula's bytes for the buffer passed);
 - :func:`send`, :func:`recv` and :func:`send_recv`, tagged point-to-point messages, each *counted* as one
   message of its bytes, with the peer in the group's numbering.
 
@@ -154,8 +154,8 @@ def reduce_scatter(x: torch.Tensor, dim: int = 0, group=None, *, pad: bool = Fal
 def all_to_all(x: torch.Tensor, group=None, *, send_splits: list[int] | None = None,
                recv_splits: list[int] | None = None, label: str = "all_to_all", async_op: bool = False,
                wire_dtype=None):
-    """``send_splits[j]`` rows (dim 0) of ``x`` to rank ``j``, ``recv_splits[j]`` rows from rank ``j``, in rank
-    order; even splits when they are not given. Booked under ``label``: the rows that leave this rank."""
+    """``send_splits[j]`` rows (dim 0) of ``x`` to rank ``j``, ``recv_splits[j]`` rows from rank ``j``, in
+    rank order; even splits when they are not given. Booked under ``label``: the rows that leave this rank."""
     world_size = dist.get_world_size(group)
     if send_splits is None:
         if x.shape[0] % world_size:
@@ -202,8 +202,8 @@ def recv(like: torch.Tensor, src: int, group=None, *, tag: int = 0, label: str =
     buf = torch.empty_like(like, memory_format=torch.contiguous_format)
     _count(buf, "recv", src, group, label, phase, step)
     work = dist.irecv(buf, _global(src, group), group=group, tag=tag)
-    return _done(work, lambda: buf, f"{label} {phase} step {step}: nothing arrived from rank {src}", async_op,
-                 timeout_s or collective_timeout())
+    what = f"{label} {phase} step {step}: the receive from rank {src} (nothing arrived)"
+    return _done(work, lambda: buf, what, async_op, timeout_s or collective_timeout())
 
 
 def send_recv(x: torch.Tensor, dst: int, src: int, group=None, *, tag: int = 0, label: str = "p2p",

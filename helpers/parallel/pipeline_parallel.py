@@ -235,9 +235,11 @@ def forward_step(chunk: nn.Module, *args, **kwargs):
     """``chunk(*args, **kwargs)``, and where each layer with weights handed its output on to the graph (its
     gradient edge): the point the weight-gradient step restarts from. Edges keep the graph's nodes, not the
     outputs."""
-    edges = []
-    hooks = [mod.register_forward_hook(lambda mod, args, y: edges.append((mod, get_gradient_edge(y))))
-             for mod in weight_layers(chunk)]
+    edges = []  # (layer, the edges of its outputs): a fused tensor-parallel QKV layer has three
+
+    def keep(mod, args, y):
+        edges.append((mod, tuple(get_gradient_edge(t) for t in (y if isinstance(y, tuple) else (y,)))))
+    hooks = [mod.register_forward_hook(keep) for mod in weight_layers(chunk)]
     try:
         out = chunk(*args, **kwargs)
     finally:
@@ -251,10 +253,14 @@ def backward_input(out, grad, x, edges):
     output, and nothing else: with no parameter among the inputs, autograd skips every weight-gradient
     product. Keeps the graph (``retain_graph``) for :func:`backward_weight`. Returns ``(input gradient or
     None, kept for W)``."""
-    inputs = ([x] if x.requires_grad else []) + [edge for _, edge in edges]
-    grads = torch.autograd.grad(out, inputs, grad, retain_graph=True)
-    input_grad = grads[0] if x.requires_grad else None
-    return input_grad, [(mod, edge, g) for (mod, edge), g in zip(edges, grads[len(grads) - len(edges):])]
+    inputs = ([x] if x.requires_grad else []) + [edge for _, outs in edges for edge in outs]
+    grads = list(torch.autograd.grad(out, inputs, grad, retain_graph=True))
+    input_grad = grads.pop(0) if x.requires_grad else None
+    kept = []
+    for mod, outs in edges:
+        kept.append((mod, outs, grads[:len(outs)]))
+        del grads[:len(outs)]
+    return input_grad, kept
 
 
 def backward_weight(kept) -> None:
@@ -262,9 +268,9 @@ def backward_weight(kept) -> None:
     :func:`backward_input` kept. Autograd walks from that output to the layer's own weights only; the rest of
     the graph, and with it the activations saved for the input gradients, is freed when ``kept`` is
     dropped."""
-    for mod, edge, grad_out in kept:
+    for mod, outs, grads_out in kept:
         params = list(mod.parameters(recurse=False))
-        for p, g in zip(params, torch.autograd.grad(edge, params, grad_out)):
+        for p, g in zip(params, torch.autograd.grad(list(outs), params, grads_out)):
             p.grad = g if p.grad is None else p.grad + g  # accumulate over micro-batches
 
 
