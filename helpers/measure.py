@@ -3,7 +3,9 @@
 - :func:`saved_tensors` records every tensor autograd keeps for backward (``saved_tensors_hooks``), once per
   storage, leaving out the parameters (they are counted as parameters, not activations);
 - :func:`optimizer_state_bytes` sums the tensors an optimizer keeps in its state;
-- :func:`count_flops` counts matmul FLOPs with PyTorch's ``FlopCounterMode``.
+- :func:`count_flops` counts matmul FLOPs with PyTorch's ``FlopCounterMode``;
+- :class:`TorchCollectives` records every ``torch.distributed`` operation that ran, as the dispatcher sees it:
+  the witness, independent of the ledger's bookings, of which collectives a chapter's code really called.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import contextlib
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
 
@@ -97,3 +100,30 @@ def count_flops(fn, materialized_attention: bool = True) -> dict[str, int]:
     with attention_backend(materialized_attention), counter:
         fn()
     return {str(op): n for op, n in counter.get_flop_counts()["Global"].items()}
+
+
+class TorchCollectives(TorchDispatchMode):
+    """Every ``torch.distributed`` operation run inside the ``with`` block, as PyTorch's dispatcher sees it.
+
+    A booking in the ledger says what the book's code meant to call; this sees what ran, however it was called
+    (``dist.all_to_all_single``, an imported name, a library). ``calls`` holds one ``(operation, group ranks,
+    elements of each tensor argument, element size)`` per call, in order: ``("alltoall_base_", (0, 1, 2, 3),
+    (4096, 4096), 8)`` is an ``all_to_all_single`` of 4,096 fp64 numbers over four ranks.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.calls: list[tuple[str, tuple[int, ...], tuple[int, ...], int]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        import torch.distributed as dist
+
+        if func.namespace == "c10d":
+            flat = [a for arg in args for a in (arg if isinstance(arg, (list, tuple)) else [arg])]
+            tensors = [a for a in flat if isinstance(a, torch.Tensor)]
+            groups = [dist.ProcessGroup.unbox(a) for a in flat if isinstance(a, torch.ScriptObject)
+                      and a._type().qualified_name().endswith("ProcessGroup")]
+            ranks = tuple(dist.get_process_group_ranks(groups[0])) if groups else ()
+            self.calls.append((func.overloadpacket.__name__, ranks, tuple(t.numel() for t in tensors),
+                               tensors[0].element_size() if tensors else 0))
+        return func(*args, **(kwargs or {}))

@@ -166,6 +166,7 @@ def _attention_on_this_rank(q, k, v, upstream, kind, causal):
     import torch.distributed as dist
     from torch.utils.flop_counter import FlopCounterMode
 
+    from helpers import measure
     from helpers.parallel import context_parallel
     from helpers.parallel.ledger import LEDGER
 
@@ -178,7 +179,7 @@ def _attention_on_this_rank(q, k, v, upstream, kind, causal):
         LEDGER.clear()
         context_parallel.EVENTS.clear()
         local = [t.index_select(2, mine).clone().requires_grad_() for t in (q, k, v)]
-        with context_parallel.TorchCollectives() as ran, FlopCounterMode(display=False) as flops:
+        with measure.TorchCollectives() as ran, FlopCounterMode(display=False) as flops:
             out = attention(*local, layout, causal)
             out.backward(upstream.index_select(2, mine))
         counted = sum(m.nbytes for m in LEDGER.messages if m.counted and m.direction == "send")

@@ -171,7 +171,7 @@ def _record_calls(cfg, stage, x, y, adamw):
     from helpers.data import rank_rows
     from helpers.model import GPT
     from helpers.parallel import zero
-    from helpers.parallel.context_parallel import TorchCollectives
+    from helpers.measure import TorchCollectives
 
     rank, world_size = dist.get_rank(), dist.get_world_size()
     model = GPT(cfg, seed=0).double()

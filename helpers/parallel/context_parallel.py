@@ -24,8 +24,8 @@ The book's GPT becomes context-parallel by a transformation: :func:`parallelize`
 core, :func:`shard_sequence` gives a rank its tokens and their positions (which the model's forward takes),
 :func:`average_gradients` averages the ranks' gradients. Messages go through :mod:`helpers.parallel.comms`:
 the ring's are *counted* in the ledger, one per tensor sent or received; the all-to-alls are torch's,
-*booked* (the formula's bytes for the buffer passed). :class:`TorchCollectives` sees which torch collectives
-really ran, on which group, with which sizes.
+*booked* (the formula's bytes for the buffer passed); :class:`helpers.measure.TorchCollectives` sees which
+torch collectives really ran, on which group, with which sizes.
 """
 
 from __future__ import annotations
@@ -38,7 +38,6 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from helpers import layout_rules
 from helpers.parallel import comms
@@ -246,32 +245,6 @@ def ulysses_attention(q, k, v, layout: CPLayout, causal: bool = True, group=None
     else:
         out = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
     return _AllToAll.apply(out, SEQ_DIM, HEAD_DIM, group)
-
-
-class TorchCollectives(TorchDispatchMode):
-    """Every ``torch.distributed`` operation run inside the ``with`` block, as PyTorch's dispatcher sees it.
-
-    A booking in the ledger says what the book's code meant to call; this sees what ran, however it was called
-    (``dist.all_to_all_single``, an imported name, a library). ``calls`` holds one ``(operation, group ranks,
-    elements of each tensor argument, element size)`` per call, in order: ``("alltoall_base_", (0, 1, 2, 3),
-    (4096, 4096), 8)`` is an ``all_to_all_single`` of 4,096 fp64 numbers over four ranks.
-    """
-
-    def __init__(self):
-        super().__init__()
-        self.calls: list[tuple[str, tuple[int, ...], tuple[int, ...], int]] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.namespace == "c10d":
-            flat = [a for arg in args for a in (arg if isinstance(arg, (list, tuple)) else [arg])]
-            tensors = [a for a in flat if isinstance(a, torch.Tensor)]
-            groups = [dist.ProcessGroup.unbox(a) for a in flat if isinstance(a, torch.ScriptObject)
-                      and a._type().qualified_name().endswith("ProcessGroup")]
-            ranks = tuple(dist.get_process_group_ranks(groups[0])) if groups else ()
-            self.calls.append((func.overloadpacket.__name__, ranks, tuple(t.numel() for t in tensors),
-                               tensors[0].element_size() if tensors else 0))
-        return func(*args, **(kwargs or {}))
-
 
 
 # ---------------------------------------------------------------------------------------------------------

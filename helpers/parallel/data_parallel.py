@@ -17,7 +17,7 @@ every message is *counted* instead.
 
 :class:`CommunicationWatch` and :func:`check_communication` check the communication pattern from outside the
 code under test: the watch's own gradient hooks record when each gradient was ready, and a dispatch mode
-(:class:`helpers.parallel.context_parallel.TorchCollectives`) every ``torch.distributed`` operation that ran,
+(:class:`helpers.measure.TorchCollectives`) every ``torch.distributed`` operation that ran,
 however it was called; the check asks for buckets within the cap that start before backward's last gradient.
 Only the order of events is used, never a time.
 """
@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from helpers.checks import check_equal
 from helpers.parallel import comms
-from helpers.parallel.context_parallel import TorchCollectives
+from helpers.measure import TorchCollectives
 
 
 def average_gradients(model: torch.nn.Module, group=None) -> None:
@@ -177,7 +177,7 @@ class CommunicationWatch(TorchCollectives):
 
     Create it on the model *before* the DDP under test: hooks on one tensor run in the order they were
     registered, so on every parameter the watch hears of the gradient before the DDP does. Inside
-    ``with watch:`` it is a :class:`~helpers.parallel.context_parallel.TorchCollectives`: ``calls`` records
+    ``with watch:`` it is a :class:`~helpers.measure.TorchCollectives`: ``calls`` records
     every ``torch.distributed`` operation that runs, however it was called, in order; ``grads`` lists ``(name,
     nbytes, calls)`` for each gradient accumulated, ``calls`` being how many operations had run by then. The
     hooks go at the end of the ``with`` block.

@@ -19,7 +19,7 @@ padded with zero rows, as FSDP2 pads), and keeps AdamW's state for those rows on
 Every collective goes through :mod:`helpers.parallel.comms`, booked once in the chapter 02 ledger.
 :class:`LiveMemory` measures what a rank holds from the storages alive at each moment (parameters, gradients,
 optimizer state and every tensor autograd saved for backward); which collectives really ran, chapter 04 reads
-from :class:`helpers.parallel.context_parallel.TorchCollectives`, a dispatch mode that sees every one.
+from :class:`helpers.measure.TorchCollectives`, a dispatch mode that sees every one.
 """
 
 from __future__ import annotations
