@@ -8,7 +8,8 @@ positions. One 1F1B step on two micro-batches then runs through chapter 06's exe
 single process, in fp64 (the grid reorders sums three ways; fp64 keeps the comparison tight): each
 micro-batch's loss on the last stage, averaged over the CP ranks, within 1e-12 relative, and every gradient,
 averaged over CP and put together from the TP shards of each stage, within 1e-10 of its tensor's largest
-entry. Each transformation is checked to compose in either order with the others.
+entry. Tensor and context parallelism are applied in both orders; cutting a pipeline chunk from a model
+already tensor-parallel is refused with the order to follow.
 """
 
 import ipyparallel as ipp
@@ -67,7 +68,12 @@ def _composed(cfg, x, y, m, attention, kind, sequence_parallel, tp_first):
     if sequence_parallel:
         tensor_parallel.allreduce_sequence_parallel_grads(chunk, tp_group)
     context_parallel.average_gradients(chunk, cp_group)
-    return {"pp": stage, "cp": dist.get_rank(cp_group), "tp": dist.get_rank(tp_group),
+    try:  # the other order: a tensor-parallel model holds its group, which a chunk's copy cannot copy
+        pipeline_parallel.pipeline_chunk(tensor_parallel.parallelize(GPT(cfg, seed=0), tp_group), stage, 2)
+        refused = "not refused"
+    except ValueError as err:
+        refused = str(err)
+    return {"pp": stage, "cp": dist.get_rank(cp_group), "tp": dist.get_rank(tp_group), "refused": refused,
             "losses": {int(i): float(v) for i, v in losses.items()}, "grads": named_grads(chunk)}
 
 
@@ -90,6 +96,8 @@ def test_tp_pp_and_cp_on_one_gpt_match_one_process(eight, attention, kind, seque
             got = sum(r["losses"][i] for r in last if r["tp"] == tp) / 2
             assert got == pytest.approx(expected, rel=1e-12), f"micro-batch {i}, tp rank {tp}"
     assert all(not r["losses"] for r in results if r["pp"] == 0)
+    refused = [r["refused"] for r in results]
+    assert all("cut the chunks first, then apply tensor" in message for message in refused), refused[0]
 
     grads = {}
     for stage in (0, 1):

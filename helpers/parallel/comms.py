@@ -93,9 +93,7 @@ def _off_wire(wire: torch.Tensor, dtype, wire_dtype) -> torch.Tensor:
 def all_reduce(x: torch.Tensor, group=None, *, op: str = "sum", async_op: bool = False, wire_dtype=None):
     """Reduce ``x`` over the group's ranks, in place (``op``: ``"sum"``, ``"max"`` or ``"min"``)."""
     reduce_op = _op(op)
-    wire = _on_wire(x, wire_dtype, reduces=True)
-    if wire is not x and wire.data_ptr() == x.data_ptr():
-        wire = wire.clone()
+    wire = _on_wire(x, wire_dtype, reduces=True)  # x itself, unless cast or made contiguous
     LEDGER.record("all_reduce", wire, group)
     work = dist.all_reduce(wire, op=reduce_op, group=group, async_op=async_op)
 

@@ -55,7 +55,11 @@ def pipeline_chunk(model: GPT, index: int, n_chunks: int) -> GPT:
     or activations to activations (or, on the last chunk, logits and with targets the loss)."""
     check_layout(model.cfg, n_chunks)
     keep = stage_layers(model.cfg.n_layers, n_chunks)[index]
-    chunk = copy.deepcopy(model)
+    try:
+        chunk = copy.deepcopy(model)
+    except TypeError as err:  # a layer holding a process group (tensor or expert parallelism)
+        raise ValueError(f"pipeline_chunk copies the model ({err}): cut the chunks first, then apply tensor "
+                         f"or expert parallelism to each") from None
     for name in list(chunk.blocks.keys()):
         if int(name) not in keep:
             del chunk.blocks[name]  # the others keep their names: blocks.5 stays blocks.5
@@ -387,9 +391,8 @@ def torch_pipeline(schedule_cls, model: GPT, tokens, targets, m: int, *, style="
     mine = torch_stage_indices(style, rank, p, v)
     chunks = {c: pipeline_chunk(model, c, n_chunks) for c in mine}
     stages = [PipelineStage(chunks[c], c, n_chunks, torch.device("cpu"), group=group) for c in mine]
-    single = len(stages) == 1
-    schedule = schedule_cls(stages[0] if single else stages, n_microbatches=m, loss_fn=cross_entropy,
-                            **schedule_kwargs)
+    schedule = schedule_cls(stages[0] if len(stages) == 1 else stages, n_microbatches=m,
+                            loss_fn=cross_entropy, **schedule_kwargs)
     losses: list = []
     args = (tokens,) if 0 in mine else ()
     kwargs = {"target": targets, "losses": losses} if n_chunks - 1 in mine else {}
