@@ -9,9 +9,12 @@ ledger, Ulysses' from the all-to-alls torch ran. Attention runs in fp64, so the 
 q, k and v, merged by blocks here or computed on the ranks, match the reference entry by entry within
 rtol 1e-12, atol 1e-13 (torch.testing.assert_close); FLOPs, bytes, positions and order are compared exactly.
 Another makes the book's GPT context-parallel (``context_parallel.parallelize``, ``shard_sequence``,
-``average_gradients``) in fp64 and compares each rank's logits, the mean of the ranks' losses and the averaged
-gradients with one process's, within rtol 1e-12 of each tensor's largest entry; it also checks what
-``parallelize`` refuses (a layout for another degree than the group's, an unknown attention).
+``average_gradients``) in fp64, GPT-2 style and Llama style (rotary positions, at each rank's own
+offsets), and compares each rank's logits, the mean of the ranks' losses and the averaged gradients with one
+process's, within rtol 1e-12 of each tensor's largest entry; it also checks what ``parallelize`` refuses (a
+layout for another degree than the group's, an unknown attention). The last shows that the check sees rotary
+offsets: with every rank's positions 0 ... s/cp-1 the Llama-style logits are wrong wherever a rank's true
+positions are others.
 """
 
 import ipyparallel as ipp
@@ -21,7 +24,7 @@ import torch.nn.functional as F
 
 from conftest import assert_close_to_scale, seeded_batch, small_config
 from helpers import memory_budget, model_size
-from helpers.model import GPT
+from helpers.model import GPT, GPTConfig
 from helpers.parallel import blockwise_attention, context_parallel
 
 
@@ -222,10 +225,20 @@ def test_an_unknown_attention_is_refused_with_the_choices():
         context_parallel.parallelize(GPT(small_config()), context_parallel.CPLayout(8, 2), attention="flash")
 
 
+def _config(style):
+    """The small GPT of the distributed tests, in the GPT-2 style or, at the same sizes, the Llama style."""
+    cfg = small_config(seq_len=16)
+    if style == "llama":
+        sizes = ("vocab_size", "seq_len", "n_layers", "d_model", "n_heads", "n_kv_heads", "d_ff")
+        cfg = GPTConfig.llama_style(**{name: getattr(cfg, name) for name in sizes})
+    return cfg
+
+
 @ipp.interactive
-def _gpt_on_this_rank(cfg, x, y, kind, attention):
+def _gpt_on_this_rank(cfg, x, y, kind, attention, offset_zero=False):
     import copy
 
+    import torch
     import torch.distributed as dist
 
     from helpers import reference
@@ -242,18 +255,21 @@ def _gpt_on_this_rank(cfg, x, y, kind, attention):
     model = context_parallel.parallelize(GPT(cfg, seed=0).double(), layout, group, attention=attention)
     model = copy.deepcopy(model)  # as a pipeline stage is cut: the core, and its group, are shared
     xs, ys, positions = context_parallel.shard_sequence(x, y, layout, group)
+    if offset_zero:  # the bug the offset check must see: every rank counts its tokens from 0
+        positions = torch.arange(xs.shape[1])
     logits, loss = model(xs, ys, positions=positions)
     loss.backward()
     context_parallel.average_gradients(model, group)
     return positions, logits.detach(), loss.item(), reference.named_grads(model), refused
 
 
+@pytest.mark.parametrize("style", ["gpt2", "llama"])
 @pytest.mark.parametrize("kind, attention", [("contiguous", "ring"), ("zigzag", "ring"),
                                              ("contiguous", "ulysses"), ("zigzag", "ulysses")])
-def test_the_context_parallel_gpt_matches_one_process(ranks, kind, attention):
+def test_the_context_parallel_gpt_matches_one_process(ranks, kind, attention, style):
     from helpers import reference
 
-    cfg = small_config(seq_len=16)
+    cfg = _config(style)
     x, y = seeded_batch(cfg, rows=2)
     single = GPT(cfg, seed=0).double()
     want_logits, want_loss = single(x, y)
@@ -262,9 +278,29 @@ def test_the_context_parallel_gpt_matches_one_process(ranks, kind, attention):
     for rank, (positions, logits, _, grads, refused) in enumerate(results):
         assert torch.equal(positions, context_parallel.CPLayout(16, 2, kind).positions(rank))
         assert_close_to_scale({"logits": logits}, {"logits": want_logits[:, positions].detach()}, 1e-12,
-                              f"{attention}, {kind}, rank {rank}")
+                              f"{style}, {attention}, {kind}, rank {rank}")
         assert_close_to_scale(grads, reference.named_grads(single), 1e-12,
-                              f"{attention}, {kind}, rank {rank}: gradients")
+                              f"{style}, {attention}, {kind}, rank {rank}: gradients")
         assert refused == "the layout is for cp=4 ranks, the group has 2", refused
     mean_loss = sum(loss for _, _, loss, _, _ in results) / len(results)
     assert abs(mean_loss - want_loss.item()) <= 1e-12 * abs(want_loss.item()), (mean_loss, want_loss.item())
+
+
+@pytest.mark.parametrize("kind, attention", [("contiguous", "ring"), ("zigzag", "ring"),
+                                             ("contiguous", "ulysses"), ("zigzag", "ulysses")])
+def test_rotary_offsets_of_0_on_every_rank_give_wrong_logits(ranks, kind, attention):
+    """Rotary positions are relative: only the gaps matter. With every rank at offset 0 the gaps between
+    ranks are wrong, and so are the logits of every rank whose true positions are not 0 ... s/cp-1."""
+    cfg = _config("llama")
+    x, y = seeded_batch(cfg, rows=2)
+    want = GPT(cfg, seed=0).double()(x).detach()
+    layout = context_parallel.CPLayout(cfg.seq_len, 2, kind)
+    results = ranks.apply(_gpt_on_this_rank, cfg, x, y, kind, attention, offset_zero=True)
+    for rank, (positions, logits, *_) in enumerate(results):
+        assert torch.equal(positions, torch.arange(cfg.seq_len // 2))
+        truth = layout.positions(rank)
+        error, scale = (logits - want[:, truth]).abs().max().item(), want.abs().max().item()
+        if torch.equal(truth, positions):  # rank 0 of the contiguous layout: offset 0 is its true offset
+            assert error <= 1e-12 * scale, f"{attention}, {kind}, rank {rank}: {error:.3e}"
+        else:
+            assert error > 1e-3 * scale, f"{attention}, {kind}, rank {rank}: offset 0 went unnoticed"
