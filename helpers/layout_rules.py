@@ -27,11 +27,14 @@ def tensor_parallel(tp: int, n_heads: int, n_kv_heads: int, d_ff: int, vocab_siz
                     seq_len: int | None = None, of: str = "") -> None:
     """Megatron's split (chapter 05): whole heads, whole KV heads, hidden units and vocabulary rows per rank;
     with sequence parallelism (``seq_len`` given: the tokens one tensor-parallel group holds) whole tokens
-    too."""
+    too. With more ranks than KV heads, each KV head is copied onto ``tp / n_kv_heads`` ranks (as Megatron-LM
+    and vLLM do), so ``tp`` must then be a multiple of ``n_kv_heads``."""
     require_positive(tp=tp)
     require_divides("tp", tp, "n_heads", n_heads, "each rank computes whole attention heads", of)
-    require_divides("tp", tp, "n_kv_heads", n_kv_heads, "each rank keeps the KV heads of its query heads "
-                    "(replicating KV heads when tp > n_kv_heads is not implemented here)", of)
+    if n_kv_heads % tp and tp % n_kv_heads:
+        where = f" of {of}" if of else ""
+        raise ValueError(f"tp={tp} must divide n_kv_heads={n_kv_heads} or be a multiple of it{where}: each "
+                         f"rank keeps the KV heads of its query heads, or a copy of the one they share")
     require_divides("tp", tp, "d_ff", d_ff, "each rank computes d_ff/tp hidden units", of)
     require_divides("tp", tp, "vocab_size", vocab_size, "pad the vocabulary to a multiple of tp", of)
     if seq_len is not None:

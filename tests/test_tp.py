@@ -11,6 +11,11 @@ give the whole model's logits (atol 1e-6), and so does each rank in a group of i
 from the group). Without the all-reduce of the norms' gradients, sequence parallelism leaves one rank's
 gradient of the final norm more than 1e-3 (relative) from the reference in some entry, and the two ranks'
 shares sum to it (rtol 1e-5, atol 1e-7).
+
+The Llama-style GPT (RMSNorm, rotary positions, SwiGLU, untied) runs the same checks; so does one with a
+single KV head on two ranks, which then copies it onto both (KV-head replication): without the all-reduce of
+the copies' gradients, each rank's K and V gradients are its query heads' share only, the copies differ (which
+``unshard_state`` refuses), and the two shares sum to the reference's (rtol 1e-5, atol 1e-7).
 """
 
 from dataclasses import replace
@@ -21,11 +26,14 @@ import torch
 import torch.distributed as dist
 
 from conftest import assert_close_to_scale, seeded_batch, small_config
-from helpers.model import GPT
+from helpers.model import GPT, GPTConfig
 from helpers.parallel import moe, tensor_parallel
 from helpers.reference import named_grads, named_params
 
 CFG = small_config()
+LLAMA = GPTConfig.llama_style(**{k: getattr(CFG, k) for k in ("vocab_size", "seq_len", "n_layers", "d_model",
+                                                              "n_heads", "n_kv_heads", "d_ff")})
+ONE_KV_HEAD = replace(LLAMA, n_kv_heads=1)  # on two ranks: one KV head, copied onto both
 ROWS = 4  # the global batch; every rank runs all of it
 RTOL = 1e-6
 
@@ -46,7 +54,7 @@ def stand_in(monkeypatch):
 
 @pytest.mark.parametrize("cfg, tp_size, names", [
     (CFG, 3, "n_heads=4"),
-    (replace(CFG, n_heads=8, n_kv_heads=2), 4, "n_kv_heads=2"),
+    (replace(CFG, d_model=48, n_heads=12, n_kv_heads=3), 4, "n_kv_heads=3"),
     (replace(CFG, d_ff=63), 2, "d_ff=63"),
     (replace(CFG, vocab_size=17), 2, "vocab_size=17"),
     (replace(CFG, seq_len=7), 2, "seq_len=7"),
@@ -78,10 +86,13 @@ def test_a_block_it_cannot_split_is_refused_before_anything_changes(stand_in):
 def test_a_good_layout_passes():
     tensor_parallel.check_layout(CFG, 2, sequence_parallel=True)
     tensor_parallel.check_layout(CFG, 1)
+    tensor_parallel.check_layout(ONE_KV_HEAD, 2)  # tp a multiple of n_kv_heads: the KV heads are copied
+    tensor_parallel.check_layout(replace(CFG, n_heads=8, n_kv_heads=2), 4)
 
 
-@pytest.mark.parametrize("cfg", [CFG, replace(CFG, tie_embeddings=False), replace(CFG, gated=True)])
-@pytest.mark.parametrize("tp_size", [1, 2])
+@pytest.mark.parametrize("cfg", [CFG, replace(CFG, tie_embeddings=False), replace(CFG, gated=True), LLAMA,
+                                 ONE_KV_HEAD])
+@pytest.mark.parametrize("tp_size", [1, 2, 4])
 def test_sharding_then_unsharding_gives_back_every_tensor_bit_for_bit(cfg, tp_size):
     reference = GPT(cfg, seed=0)
     full = dict(reference.named_parameters())
@@ -92,7 +103,17 @@ def test_sharding_then_unsharding_gives_back_every_tensor_bit_for_bit(cfg, tp_si
         assert torch.equal(again[name], tensor), name
 
 
-@pytest.mark.parametrize("cfg", [CFG, replace(CFG, tie_embeddings=False), replace(CFG, gated=True)])
+def test_unsharding_refuses_copies_of_a_kv_head_that_differ():
+    full = dict(GPT(ONE_KV_HEAD, seed=0).named_parameters())
+    shards = [tensor_parallel.shard_state(full, ONE_KV_HEAD, r, 2) for r in range(2)]
+    kv_rows = ONE_KV_HEAD.n_heads * ONE_KV_HEAD.head_dim // 2  # the K rows start after this rank's Q rows
+    shards[1]["blocks.1.attn.qkv_proj.weight"][kv_rows] += 1.0
+    with pytest.raises(ValueError, match=r"blocks\.1\.attn\.k_proj\.weight: ranks 0 and 1 hold copies"):
+        tensor_parallel.unshard_state(shards, ONE_KV_HEAD)
+
+
+@pytest.mark.parametrize("cfg", [CFG, replace(CFG, tie_embeddings=False), replace(CFG, gated=True), LLAMA,
+                                 ONE_KV_HEAD])
 def test_each_rank_holds_its_slice_under_the_plans_names(stand_in, cfg):
     reference = GPT(cfg, seed=0)
     for rank in range(2):
@@ -106,6 +127,11 @@ def test_each_rank_holds_its_slice_under_the_plans_names(stand_in, cfg):
         qkv = params["blocks.0.attn.qkv_proj.weight"]
         assert torch.equal(qkv[:q_rows],
                            reference.blocks[0].attn.q_proj.weight[rank * q_rows:(rank + 1) * q_rows])
+        kv_heads = max(cfg.n_kv_heads // 2, 1)  # on this rank
+        first = rank * cfg.n_kv_heads // 2  # this rank's first KV head: r // (tp // n_kv_heads) if copied
+        k_rows = slice(first * cfg.head_dim, (first + kv_heads) * cfg.head_dim)
+        assert torch.equal(qkv[q_rows:q_rows + kv_heads * cfg.head_dim],
+                           reference.blocks[0].attn.k_proj.weight[k_rows])
         cols = cfg.d_ff // 2
         assert torch.equal(params["blocks.1.mlp.down_proj.weight"],
                            reference.blocks[1].mlp.down_proj.weight[:, rank * cols:(rank + 1) * cols])
@@ -136,7 +162,7 @@ def test_a_pipeline_stage_is_parallelized_and_an_attention_core_kept(stand_in):
 
 
 @ipp.interactive  # sent by value: the engines cannot import this test module
-def _tensor_parallel_step(cfg, x, y, sequence_parallel, sync_norms):
+def _tensor_parallel_step(cfg, x, y, sequence_parallel, sync_norms, sync_kv=True):
     from helpers.model import GPT
     from helpers.parallel import tensor_parallel
     from helpers.reference import named_grads
@@ -146,6 +172,8 @@ def _tensor_parallel_step(cfg, x, y, sequence_parallel, sync_norms):
     loss.backward()
     if sync_norms:
         tensor_parallel.allreduce_sequence_parallel_grads(model)
+    if sync_kv:
+        tensor_parallel.allreduce_replicated_kv_grads(model)
     return logits.detach(), loss.item(), named_grads(model)
 
 
@@ -166,8 +194,8 @@ def _two_stages(cfg, x, sequence_parallel):
     return last(first(x)).detach()
 
 
-@pytest.mark.parametrize("cfg", [CFG, replace(CFG, gated=True, tie_embeddings=False)],
-                         ids=["tied", "gated-untied"])
+@pytest.mark.parametrize("cfg", [CFG, replace(CFG, gated=True, tie_embeddings=False), LLAMA, ONE_KV_HEAD],
+                         ids=["tied", "gated-untied", "llama-style", "llama-style-one-kv-head"])
 @pytest.mark.parametrize("sequence_parallel", [False, True])
 def test_two_ranks_match_the_single_process(ranks, cfg, sequence_parallel):
     x, y = seeded_batch(cfg, ROWS)
@@ -182,7 +210,7 @@ def test_two_ranks_match_the_single_process(ranks, cfg, sequence_parallel):
         assert got_loss == pytest.approx(loss.item(), rel=1e-6)
     grads = tensor_parallel.unshard_state([g for _, _, g in results], cfg)
     want = named_grads(reference)
-    what = f"gated={cfg.gated}, tie_embeddings={cfg.tie_embeddings}, sequence_parallel={sequence_parallel}"
+    what = f"{cfg}, sequence_parallel={sequence_parallel}"
     assert_close_to_scale(grads, want, RTOL, f"{what}, unsharded gradients:")
 
 
@@ -195,6 +223,25 @@ def test_sequence_parallel_without_the_norm_all_reduce_is_wrong(ranks):
     want = reference.ln_f.weight.grad
     assert not torch.allclose(partial[0], want, rtol=1e-3, atol=0)
     torch.testing.assert_close(partial[0] + partial[1], want, rtol=1e-5, atol=1e-7)  # the ranks' shares
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_a_copied_kv_head_without_the_all_reduce_of_its_gradients_is_wrong(ranks, sequence_parallel):
+    x, y = seeded_batch(ONE_KV_HEAD, ROWS)
+    reference = GPT(ONE_KV_HEAD, seed=0)
+    reference(x, y)[1].backward()
+    results = ranks.apply(_tensor_parallel_step, ONE_KV_HEAD, x, y, sequence_parallel, True, False)
+    with pytest.raises(ValueError, match="hold copies of the same KV head that differ"):
+        tensor_parallel.unshard_state([g for _, _, g in results], ONE_KV_HEAD)
+    q_rows, kv_rows = ONE_KV_HEAD.n_heads * ONE_KV_HEAD.head_dim // 2, ONE_KV_HEAD.head_dim
+    for block in range(ONE_KV_HEAD.n_layers):
+        name = f"blocks.{block}.attn.qkv_proj.weight"
+        kv = [g[name][q_rows:] for _, _, g in results]  # each rank's K and V rows: its query heads' share
+        attn = reference.blocks[block].attn
+        want = torch.cat([attn.k_proj.weight.grad, attn.v_proj.weight.grad])
+        assert kv_rows * 2 == len(want)
+        assert not torch.allclose(kv[0], want, rtol=1e-3, atol=0)
+        torch.testing.assert_close(kv[0] + kv[1], want, rtol=1e-5, atol=1e-7)
 
 
 @pytest.mark.parametrize("sequence_parallel", [False, True])

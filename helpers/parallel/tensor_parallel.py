@@ -21,6 +21,10 @@ rank; backward gathers each column-parallel layer's input again (:class:`_Sequen
 this rank's slice of it is kept. The norms and the position embedding (:class:`SequenceParallelEmbedding`)
 then see only their rank's tokens, and :func:`allreduce_sequence_parallel_grads` sums their gradients.
 
+With more ranks than KV heads (``tp`` a multiple of ``n_kv_heads``), each KV head is copied onto the
+``tp // n_kv_heads`` ranks whose query heads use it, as Megatron-LM and vLLM do, rather than refused; the
+copies' gradients are summed over those ranks by :func:`allreduce_replicated_kv_grads`.
+
 Each layer takes its rank and ``tp`` from its process group and cuts its shard from the weights it replaces.
 :func:`shard_plan` says how each parameter of the parallel model is cut from the reference's;
 :func:`shard_state` cuts a rank's tensors by it, :func:`unshard_state` puts the ranks' shards back together.
@@ -40,7 +44,9 @@ from torch import nn
 from helpers import layout_rules
 from helpers.model import GPT, MLP, Attention, GPTConfig
 from helpers.parallel import comms
-from helpers.parallel.tensor_parallel_comms import (SEQ_DIM, copy_to_tensor_parallel_region,
+from helpers.parallel.tensor_parallel_comms import (SEQ_DIM, allreduce_replicated_kv_grads,
+                                                    allreduce_sequence_parallel_grads,
+                                                    copy_to_tensor_parallel_region,
                                                     reduce_from_tensor_parallel_region,
                                                     reduce_scatter_to_sequence_parallel_region)
 
@@ -50,14 +56,17 @@ from helpers.parallel.tensor_parallel_comms import (SEQ_DIM, copy_to_tensor_para
 # ---------------------------------------------------------------------------------------------------------
 
 
-def _mine(weight: torch.Tensor, dim: int, group, what: str) -> torch.Tensor:
+def _mine(weight: torch.Tensor, dim: int, group, what: str, replicas: int = 1) -> torch.Tensor:
     """This rank's block of ``weight`` along ``dim``: rank ``r`` of ``tp`` holds the ``r``-th of ``tp`` equal
-    blocks (a copy: a shard owns its storage)."""
+    blocks (a copy: a shard owns its storage); with ``replicas`` ranks holding each block (a KV head when
+    ``tp > n_kv_heads``), the ``r // replicas``-th of ``tp / replicas``."""
     tp, rank = dist.get_world_size(group), dist.get_rank(group)
-    if weight.shape[dim] % tp:
-        raise ValueError(f"tp={tp} must divide {what} ({weight.shape[dim]})")
-    n = weight.shape[dim] // tp
-    return weight.detach().narrow(dim, rank * n, n).clone()
+    blocks = tp // replicas  # the distinct blocks
+    if tp % replicas or weight.shape[dim] % blocks:
+        raise ValueError(f"tp={tp} must divide {what} ({weight.shape[dim]})" if replicas == 1 else
+                         f"tp={tp} must be {replicas} times a divisor of {what} ({weight.shape[dim]})")
+    n = weight.shape[dim] // blocks
+    return weight.detach().narrow(dim, (rank // replicas) * n, n).clone()
 
 
 class _SequenceParallelLinear(torch.autograd.Function):
@@ -92,13 +101,15 @@ class ColumnParallelLinear(nn.Module):
     ``r·out/tp … (r+1)·out/tp`` and returns those output features (Shoeybi et al. 2019).
 
     Given several full weights of layers that share the input (Q, K and V), it stacks this rank's rows of each
-    in one weight and returns one tensor per layer. With ``sequence_parallel`` the input is this rank's slice
-    of the sequence and is all-gathered first.
+    in one weight and returns one tensor per layer; ``replicas`` gives, for each, how many ranks hold the same
+    rows (1: split). With ``sequence_parallel`` the input is this rank's slice of the sequence and is
+    all-gathered first.
     """
 
-    def __init__(self, *weights: torch.Tensor, group=None, sequence_parallel: bool = False):
+    def __init__(self, *weights: torch.Tensor, group=None, sequence_parallel: bool = False, replicas=None):
         super().__init__()
-        shards = [_mine(w, 0, group, "the output features of a column-parallel layer") for w in weights]
+        shards = [_mine(w, 0, group, "the output features of a column-parallel layer", n)
+                  for w, n in zip(weights, replicas or [1] * len(weights))]
         self.sizes = tuple(len(shard) for shard in shards)
         self.weight = nn.Parameter(torch.cat(shards))
         self.group, self.sequence_parallel = group, sequence_parallel
@@ -212,13 +223,17 @@ def vocab_parallel_cross_entropy(logits, targets, group=None) -> torch.Tensor:
 class ParallelAttention(Attention):
     """``Attention`` with this rank's ``n_heads/tp`` query heads and the ``n_kv_heads/tp`` KV heads they use:
     Q, K and V in one column-parallel weight, ``o_proj`` row-parallel; the forward, and the attention
-    ``core``, are the layer's own."""
+    ``core``, are the layer's own. With ``tp > n_kv_heads``, rank ``r`` holds a copy of KV head
+    ``r // kv_replicas``, the one its query heads use, and so do the other ``kv_replicas - 1`` ranks."""
 
     def __init__(self, attn: Attention, group=None, sequence_parallel: bool = False):
         nn.Module.__init__(self)  # not Attention's: it would build the full projections
-        self.head_dim, self.core = attn.head_dim, attn.core
+        self.head_dim, self.rope_theta, self.core = attn.head_dim, attn.rope_theta, attn.core
+        n_kv_heads = attn.k_proj.weight.shape[0] // attn.head_dim
+        self.kv_replicas = max(dist.get_world_size(group) // n_kv_heads, 1)  # ranks holding each KV head
         self.qkv_proj = ColumnParallelLinear(attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight,
-                                             group=group, sequence_parallel=sequence_parallel)
+                                             group=group, sequence_parallel=sequence_parallel,
+                                             replicas=(1, self.kv_replicas, self.kv_replicas))
         self.o_proj = RowParallelLinear(attn.o_proj.weight, group, sequence_parallel)
 
     def project(self, x):
@@ -273,7 +288,7 @@ def parallelize(model: GPT, group=None, sequence_parallel: bool = False) -> GPT:
     tied = None not in (model.tok_emb, model.lm_head) and model.lm_head.weight is model.tok_emb.weight
     if model.tok_emb is not None:
         model.tok_emb = VocabParallelEmbedding(model.tok_emb.weight, **split)
-        if sequence_parallel:
+        if sequence_parallel and model.pos_emb is not None:  # rotary positions have no table to split
             model.pos_emb = SequenceParallelEmbedding(model.pos_emb.weight, group)
     if model.lm_head is not None:
         model.lm_head = ColumnParallelLinear(model.lm_head.weight, **split)
@@ -290,52 +305,43 @@ def from_reference(reference: GPT, group=None, sequence_parallel: bool = False) 
     return parallelize(copy.deepcopy(reference), group, sequence_parallel)
 
 
-def allreduce_sequence_parallel_grads(model: nn.Module, group=None) -> None:
-    """Sum over the ranks the gradients of the parameters marked ``sequence_parallel`` (norms, positions).
-
-    Each rank's norm saw only its slice of the sequence, so its gradient is a partial sum; one all-reduce of
-    all of them, flattened, completes it (Megatron's ``_allreduce_layernorm_grads``).
-    """
-    params = [p for p in model.parameters() if getattr(p, "sequence_parallel", False) and p.grad is not None]
-    if not params:
-        return
-    flat = comms.all_reduce(torch.cat([p.grad.reshape(-1) for p in params]), group)
-    for p, g in zip(params, flat.split([p.numel() for p in params])):
-        p.grad.copy_(g.view_as(p.grad))
-
-
 # ---------------------------------------------------------------------------------------------------------
 # From the reference's weights to the ranks' shards, and back
 # ---------------------------------------------------------------------------------------------------------
 
 
-def shard_plan(cfg: GPTConfig, tp: int) -> dict[str, tuple[int | None, tuple[tuple[str, int], ...]]]:
+def shard_plan(cfg: GPTConfig, tp: int) -> dict[str, tuple[int | None, tuple[tuple[str, int, int], ...]]]:
     """For each parameter of a GPT after :func:`parallelize`: the dimension it is split along (``None``: every
-    rank holds all of it), and the reference parameters it stacks, each with the size of one rank's slice."""
+    rank holds all of it), and the reference parameters it stacks, each with the size of one rank's slice and
+    the number of ranks that hold that same slice (1 if split; ``tp // n_kv_heads`` for a replicated KV head;
+    ``tp`` if not split). A norm without bias (RMSNorm) and rotary positions add no entry."""
     check_layout(cfg, tp)
     d, hd, V = cfg.d_model, cfg.head_dim, cfg.vocab_size
-    plan = {"tok_emb.weight": (0, (("tok_emb.weight", V // tp),)),
-            "pos_emb.weight": (None, (("pos_emb.weight", cfg.seq_len),))}
+    plan = {"tok_emb.weight": (0, (("tok_emb.weight", V // tp, 1),))}
+    if cfg.rope_theta is None:
+        plan["pos_emb.weight"] = (None, (("pos_emb.weight", cfg.seq_len, tp),))
+    norms = ("weight", "bias") if cfg.norm == "layernorm" else ("weight",)
+    kv_replicas = max(tp // cfg.n_kv_heads, 1)
+    q, kv = cfg.n_heads * hd // tp, cfg.n_kv_heads * hd * kv_replicas // tp
     for i in range(cfg.n_layers):
         p = f"blocks.{i}."
-        for norm in ("ln1", "ln2"):
-            plan[p + norm + ".weight"] = (None, ((p + norm + ".weight", d),))
-            plan[p + norm + ".bias"] = (None, ((p + norm + ".bias", d),))
-        q, kv = cfg.n_heads * hd // tp, cfg.n_kv_heads * hd // tp
-        plan[p + "attn.qkv_proj.weight"] = (0, ((p + "attn.q_proj.weight", q), (p + "attn.k_proj.weight", kv),
-                                                (p + "attn.v_proj.weight", kv)))
-        plan[p + "attn.o_proj.weight"] = (1, ((p + "attn.o_proj.weight", cfg.n_heads * hd // tp),))
+        for name in (p + norm + "." + w for norm in ("ln1", "ln2") for w in norms):
+            plan[name] = (None, ((name, d, tp),))
+        plan[p + "attn.qkv_proj.weight"] = (0, ((p + "attn.q_proj.weight", q, 1),
+                                                (p + "attn.k_proj.weight", kv, kv_replicas),
+                                                (p + "attn.v_proj.weight", kv, kv_replicas)))
+        plan[p + "attn.o_proj.weight"] = (1, ((p + "attn.o_proj.weight", q, 1),))
         f = cfg.d_ff // tp
         if cfg.gated:
-            plan[p + "mlp.gate_up_proj.weight"] = (0, ((p + "mlp.gate_proj.weight", f),
-                                                       (p + "mlp.up_proj.weight", f)))
+            plan[p + "mlp.gate_up_proj.weight"] = (0, ((p + "mlp.gate_proj.weight", f, 1),
+                                                       (p + "mlp.up_proj.weight", f, 1)))
         else:
-            plan[p + "mlp.up_proj.weight"] = (0, ((p + "mlp.up_proj.weight", f),))
-        plan[p + "mlp.down_proj.weight"] = (1, ((p + "mlp.down_proj.weight", f),))
-    plan["ln_f.weight"] = (None, (("ln_f.weight", d),))
-    plan["ln_f.bias"] = (None, (("ln_f.bias", d),))
+            plan[p + "mlp.up_proj.weight"] = (0, ((p + "mlp.up_proj.weight", f, 1),))
+        plan[p + "mlp.down_proj.weight"] = (1, ((p + "mlp.down_proj.weight", f, 1),))
+    for name in ("ln_f." + w for w in norms):
+        plan[name] = (None, ((name, d, tp),))
     if not cfg.tie_embeddings:
-        plan["lm_head.weight"] = (0, (("lm_head.weight", V // tp),))
+        plan["lm_head.weight"] = (0, (("lm_head.weight", V // tp, 1),))
     return plan
 
 
@@ -349,14 +355,16 @@ def shard_state(full: dict[str, torch.Tensor], cfg: GPTConfig, rank: int, tp: in
         if dim is None:
             shards[name] = full[parts[0][0]].detach().clone()
         else:
-            shards[name] = torch.cat([full[ref].detach().narrow(dim, rank * n, n) for ref, n in parts], dim)
+            shards[name] = torch.cat([full[ref].detach().narrow(dim, rank // copies * n, n)
+                                      for ref, n, copies in parts], dim)
     return shards
 
 
 def unshard_state(shards: list[dict[str, torch.Tensor]], cfg: GPTConfig) -> dict[str, torch.Tensor]:
     """The reference's tensors, put together from every rank's ``shards`` (in rank order).
 
-    A replicated tensor is taken from rank 0: whether the ranks agree on it is a check of its own.
+    A replicated tensor is taken from rank 0: whether the ranks agree on it is a check of its own. A
+    replicated KV head is taken from the first rank holding it, and its copies must be equal, bit for bit.
     """
     tp, full = len(shards), {}
     for name, (dim, parts) in shard_plan(cfg, tp).items():
@@ -365,13 +373,17 @@ def unshard_state(shards: list[dict[str, torch.Tensor]], cfg: GPTConfig) -> dict
         if dim is None:
             full[parts[0][0]] = shards[0][name]
             continue
-        pieces = [s[name].split([n for _, n in parts], dim) for s in shards]
-        for i, (ref, _) in enumerate(parts):
-            full[ref] = torch.cat([pieces[r][i] for r in range(tp)], dim)
+        pieces = [s[name].split([n for _, n, _ in parts], dim) for s in shards]
+        for i, (ref, _, copies) in enumerate(parts):
+            for r in range(tp):
+                if not torch.equal(pieces[r][i], pieces[r // copies * copies][i]):
+                    raise ValueError(f"{ref}: ranks {r // copies * copies} and {r} hold copies of the same "
+                                     f"KV head that differ (were the copies' gradients summed?)")
+            full[ref] = torch.cat([pieces[r][i] for r in range(0, tp, copies)], dim)
     return full
 
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "SequenceParallelEmbedding",
            "vocab_parallel_cross_entropy", "ParallelAttention", "ParallelMLP", "check_layout", "parallelize",
-           "from_reference", "allreduce_sequence_parallel_grads", "shard_plan", "shard_state",
-           "unshard_state"]
+           "from_reference", "allreduce_sequence_parallel_grads", "allreduce_replicated_kv_grads",
+           "shard_plan", "shard_state", "unshard_state"]
