@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 from helpers import layout_rules, time_model
 from helpers.model_size import (Batch, ModelShape, _attention_params, _mlp_params, _norm_params,
-                                step_flops)
+                                kv_heads_per_rank, step_flops)
 from helpers.parallel.pipeline_schedules import micro_batches_in_flight, stage_layers
 
 
@@ -89,8 +89,11 @@ class ActivationModel:
     8; RMSNorm's 1/rms: 4; the paper ignores them: 0). ``attention`` is "materialized" (the softmax
     probabilities, a*s*s per sequence, are stored) or "flash" (only a log-sum-exp per query row, in fp32).
     ``kv_expanded``: the grouped K/V heads are repeated to all query heads before attention, and the repeated
-    copies are what is saved. ``recompute`` is "none", "selective" (the attention core is recomputed) or
-    "full" (only each layer's input is kept).
+    copies are what is saved. ``norm_keeps_normalized``: each norm also keeps its normalized input
+    ``x / rms(x)`` (which its weight's gradient reads) as a tensor of its own, as PyTorch's unfused RMSNorm
+    does; a fused norm recomputes it from the input and the statistics. ``recompute`` is "none", "selective"
+    (the attention core, from its inputs Q, K and V, is recomputed: neither the probabilities nor a
+    log-sum-exp are kept) or "full" (only each layer's input is kept).
     """
 
     dropout: bool = False
@@ -98,6 +101,7 @@ class ActivationModel:
     kv_expanded: bool = False
     norm_stat_bytes: int = 4
     recompute: str = "none"
+    norm_keeps_normalized: bool = False
 
     def __post_init__(self):
         if self.attention not in ("flash", "materialized"):
@@ -151,23 +155,27 @@ def layer_activation_bytes(model: ModelShape, seq_len: int, micro_batch: int, ac
     if act.recompute == "full":
         return sbh * e // outside_divisor  # only the layer's input
     lin = 1 if precision.fp8 else e  # a saved input of a linear layer (FP8 recipes keep it in one byte)
-    kv = h if act.kv_expanded else model.n_kv_heads * model.head_dim
+    # K and V on one rank: repeated to its n_heads/tp query heads, or its own KV heads (one, replicated, when
+    # tp exceeds n_kv_heads): not divided by tp below
+    kv = h // tp if act.kv_expanded else kv_heads_per_rank(model.n_kv_heads, tp) * model.head_dim
     f = model.d_ff * (model.top_k if moe else 1)  # the MLP width one token passes through
     # Outside the tensor-parallel region: the two norms' inputs and statistics, the inputs of the two
     # column-parallel layers (QKV and the MLP's first), and the two dropout masks (one byte each).
     outside = 2 * sbh * e + 2 * s * b * act.norm_stat_bytes + 2 * sbh * lin + (2 * sbh if act.dropout else 0)
+    if act.norm_keeps_normalized:
+        outside += 2 * sbh * e
     # Inside it, split over tp: Q, K and V, the input of the output projection, the MLP's hidden activations
     # (GELU's input and output; or SwiGLU's gate, silu(gate), up and their product: silu saves its input, the
     # product saves both factors, the down projection its input).
-    inside = (sbh + 2 * s * b * kv) * e + sbh * lin
+    inside = sbh * e + sbh * lin
     inside += s * b * f * (3 * e + lin) if model.gated else s * b * f * (e + lin)
     if act.attention == "materialized":
         if act.recompute != "selective":  # selective recomputation redoes softmax(QK^T)V in backward
             # the softmax probabilities; with dropout also its one-byte mask and its output
             inside += model.n_heads * s * seq_len * b * (e + (1 + e if act.dropout else 0))
-    else:
+    elif act.recompute != "selective":
         inside += model.n_heads * s * b * 4  # flash attention keeps one fp32 log-sum-exp per query row
-    return outside // outside_divisor + inside // tp
+    return outside // outside_divisor + inside // tp + 2 * s * b * kv * e
 
 
 # --------------------------------------------------------------------------------------------- the budget
@@ -208,7 +216,7 @@ class Budget:
 def _stage_params(model: ModelShape, layout: Layout) -> list[tuple[int, int]]:
     """(dense, expert) parameter counts each pipeline stage holds on one tensor/expert-parallel rank."""
     tp, ep, pp = layout.tp, layout.ep, layout.pp
-    attn_layer = _attention_params(model)
+    attn_layer = _attention_params(model, tp)  # on one rank: KV heads replicated when tp > n_kv_heads
     mlp_layer = _mlp_params(model, model.d_ff)
     norm = _norm_params(model)
     stages = []
@@ -216,7 +224,7 @@ def _stage_params(model: ModelShape, layout: Layout) -> list[tuple[int, int]]:
         moe_layers = model.moe_layers_in(layers)
         dense_layers = len(layers) - moe_layers
         layers_per_stage = len(layers)
-        dense = layers_per_stage * (attn_layer // tp + 2 * norm) + dense_layers * (mlp_layer // tp)
+        dense = layers_per_stage * (attn_layer + 2 * norm) + dense_layers * (mlp_layer // tp)
         dense += moe_layers * model.n_experts * model.d_model  # routers, replicated
         expert = moe_layers * (model.n_experts // ep) * (mlp_layer // tp)
         if stage == 0:

@@ -66,7 +66,8 @@ class ModelShape:
         """The shape of :class:`helpers.model.GPT` built from ``cfg``."""
         return cls(name=name, n_layers=cfg.n_layers, d_model=cfg.d_model, n_heads=cfg.n_heads,
                    n_kv_heads=cfg.n_kv_heads, d_ff=cfg.d_ff, vocab_size=cfg.vocab_size, gated=cfg.gated,
-                   tie_embeddings=cfg.tie_embeddings, norm="layernorm", learned_positions=cfg.seq_len)
+                   tie_embeddings=cfg.tie_embeddings, norm=cfg.norm,
+                   learned_positions=cfg.seq_len if cfg.rope_theta is None else 0)
 
 
 @dataclass(frozen=True)
@@ -106,11 +107,19 @@ def _mlp_params(model: ModelShape, d_ff: int) -> int:
     return mats * model.d_model * d_ff + bias
 
 
-def _attention_params(model: ModelShape) -> int:
-    q = model.n_heads * model.head_dim
-    kv = model.n_kv_heads * model.head_dim
+def kv_heads_per_rank(n_kv_heads: int, tp: int) -> int:
+    """KV heads one of ``tp`` tensor-parallel ranks holds: ``n_kv_heads / tp``, or one when ``tp`` exceeds
+    ``n_kv_heads`` (a multiple of it): each KV head is then replicated on the ``tp / n_kv_heads`` ranks whose
+    query heads read it, as Megatron-LM and vLLM do."""
+    return max(n_kv_heads // tp, 1)
+
+
+def _attention_params(model: ModelShape, tp: int = 1) -> int:
+    """One layer's attention parameters on one of ``tp`` tensor-parallel ranks (all of them: ``tp=1``)."""
+    q = model.n_heads * model.head_dim // tp
+    kv = kv_heads_per_rank(model.n_kv_heads, tp) * model.head_dim
     weights = model.d_model * (q + 2 * kv) + q * model.d_model
-    bias = (q + 2 * kv + model.d_model) if model.linear_bias else 0
+    bias = (q + 2 * kv + model.d_model // tp) if model.linear_bias else 0
     return weights + bias
 
 

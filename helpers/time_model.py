@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from helpers.model_size import kv_heads_per_rank
 from helpers.parallel.collective_costs import cost_terms
 from helpers.parallel.pipeline_schedules import stage_layers
 
@@ -155,7 +156,8 @@ def traffic(model, batch, L, P, act, dense: int, expert: int, m: int):
     if L.pp > 1:
         sent["pp"], steps["pp"] = pipeline_traffic(x // (L.tp if L.sp else 1), L.vpp, m)
     if L.cp > 1:
-        kv = 2 * batch.micro_batch * s_rank * model.n_kv_heads * model.head_dim * P.act_bytes // L.tp
+        kv_heads = kv_heads_per_rank(model.n_kv_heads, L.tp)  # a replicated KV head travels on every rank
+        kv = 2 * batch.micro_batch * s_rank * kv_heads * model.head_dim * P.act_bytes
         sent["cp"], steps["cp"] = context_parallel_traffic(kv, L.cp, len(stage), m)
     if L.ep > 1 and model.n_experts:
         tokens = batch.micro_batch * s_rank // (L.tp if L.sp else 1)

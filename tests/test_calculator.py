@@ -27,7 +27,8 @@ def test_preset_parameter_counts_match_the_architectures():
         assert abs(model_size.active_params(model) / active - 1) < 0.01
 
 
-@pytest.mark.parametrize("cfg", [GPTConfig(), GPTConfig(tie_embeddings=False, gated=True, n_kv_heads=4)])
+@pytest.mark.parametrize("cfg", [GPTConfig(), GPTConfig(tie_embeddings=False, gated=True, n_kv_heads=4),
+                                 GPTConfig.llama_style()])
 def test_the_books_gpt_is_counted_exactly(cfg):
     model = GPT(cfg)
     counted = model_size.count_params(ModelShape.from_gpt(cfg)).total
@@ -186,7 +187,6 @@ def test_mfu_counts_model_flops_only():
 
 @pytest.mark.parametrize("layout, batch, message", [
     (Layout(tp=3), Batch(4096, 1, 8), "tp=3 must divide n_heads=32 of Llama-3 8B"),
-    (Layout(tp=16), Batch(4096, 1, 8), "tp=16 must divide n_kv_heads=8"),
     (Layout(pp=33), Batch(4096, 1, 8), r"n_chunks=33 \(pp·vpp\) must not exceed n_layers=32 of Llama-3 8B"),
     (Layout(cp=3), Batch(4096, 1, 8), "cp=3 must divide seq_len=4096"),
     (Layout(dp=4), Batch(4096, 1, 6), "must be a multiple of dp\\*micro_batch"),
@@ -204,7 +204,7 @@ def _message(call) -> str:
 
 
 @pytest.mark.parametrize("tp, changes, sequence_parallel", [
-    (3, {}, False), (4, dict(n_heads=8, n_kv_heads=2), False), (2, dict(d_ff=63), False),
+    (3, {}, False), (4, dict(d_model=48, n_heads=12, n_kv_heads=3), False), (2, dict(d_ff=63), False),
     (2, dict(vocab_size=17), False), (2, dict(seq_len=7), True)])
 def test_the_calculator_and_the_module_refuse_a_layout_in_the_same_words(tp, changes, sequence_parallel):
     """One rule, one sentence (helpers.layout_rules): the calculator adds only the model's name."""
@@ -242,3 +242,67 @@ def test_measured_activations_of_the_books_gpt(gated):
     shape = ModelShape.from_gpt(cfg)
     assert saved_bytes_per_layer(cfg, 2, 32) == memory_budget.layer_activation_bytes(shape, 32, 2, act,
                                                                                       memory_budget.FP32)
+
+
+def test_from_gpt_maps_the_llama_style_config():
+    """RMSNorm (a scale, no bias), rotary positions (no position table), SwiGLU, untied."""
+    shape = ModelShape.from_gpt(GPTConfig.llama_style())
+    assert (shape.norm, shape.learned_positions, shape.gated, shape.tie_embeddings) == ("rmsnorm", 0, True,
+                                                                                         False)
+    assert ModelShape.from_gpt(GPTConfig()).learned_positions == GPTConfig().seq_len
+
+
+# What PyTorch's eager modules keep: LayerNorm its mean and 1/std (8 bytes a token); RMSNorm, unfused, its
+# 1/rms (4) and the normalized input x/rms(x) too; attention repeats the KV heads before the fused kernel.
+EAGER = {"layernorm": memory_budget.ActivationModel(kv_expanded=True, norm_stat_bytes=8),
+         "rmsnorm": memory_budget.ActivationModel(kv_expanded=True, norm_stat_bytes=4,
+                                                  norm_keeps_normalized=True)}
+
+
+@pytest.mark.parametrize("materialized", [False, True])
+def test_measured_activations_of_the_llama_style_block(materialized):
+    """RMSNorm, RoPE and SwiGLU, per layer, to the byte: the rotary tables are shared by the layers (computed
+    once per forward), and autograd keeps the rotated q and k, which the calculator counts as Q and K."""
+    from helpers.measure import saved_bytes_per_layer
+
+    cfg = GPTConfig.llama_style()
+    act = replace(EAGER["rmsnorm"], attention="materialized" if materialized else "flash")
+    predicted = memory_budget.layer_activation_bytes(ModelShape.from_gpt(cfg), 32, 2, act, memory_budget.FP32)
+    assert saved_bytes_per_layer(cfg, 2, 32, materialized=materialized) == predicted
+
+
+def test_selective_recomputation_keeps_no_attention_statistics():
+    """Selective recomputation reruns the whole core from Q, K and V: no probabilities and no log-sum-exp."""
+    act = memory_budget.ActivationModel(kv_expanded=False)
+    none = memory_budget.layer_activation_bytes(LLAMA3_8B, 4096, 1, act, memory_budget.BF16)
+    sel = memory_budget.layer_activation_bytes(LLAMA3_8B, 4096, 1, replace(act, recompute="selective"),
+                                               memory_budget.BF16)
+    assert none - sel == LLAMA3_8B.n_heads * 4096 * 4  # one fp32 log-sum-exp per query row and head
+
+
+def test_kv_heads_are_replicated_when_tp_exceeds_them():
+    """Llama-3 8B has 8 KV heads: at tp=16 each rank holds one (shared with one other rank), not half."""
+    assert [model_size.kv_heads_per_rank(8, tp) for tp in (1, 2, 8, 16, 32)] == [8, 4, 1, 1, 1]
+    m, hd, d = LLAMA3_8B, LLAMA3_8B.head_dim, LLAMA3_8B.d_model
+    q_rank = m.n_heads * hd // 16
+    assert model_size._attention_params(m, 16) == d * (q_rank + 2 * hd) + q_rank * d
+    for tp in (1, 2, 4, 8):  # where tp divides the KV heads, one rank holds 1/tp of the layer
+        assert model_size._attention_params(m, tp) == model_size._attention_params(m) // tp
+    act = replace(EAGER["rmsnorm"], kv_expanded=False)
+    at8, at16 = (memory_budget.layer_activation_bytes(m, 4096, 1, act, memory_budget.BF16, tp=tp, sp=True)
+                 for tp in (8, 16))
+    kv = 2 * 4096 * hd * 2  # K and V of one head, bf16: the same on a rank at tp=8 and at tp=16
+    assert at8 - kv == 2 * (at16 - kv)  # everything else halves
+    try:
+        b16 = budget(m, Batch(4096, 1, 8), Layout(tp=16, sp=True, cp=2))
+    except ValueError as refused:  # the layout rules before KV replication
+        assert "n_kv_heads=8" in str(refused)
+        return
+    b8 = budget(m, Batch(4096, 1, 8), Layout(tp=8, sp=True, cp=2))
+    assert b16.sent["cp"] == b8.sent["cp"]  # each rank passes its one KV head around the ring
+    layer16 = model_size._attention_params(m, 16) + m.d_ff * d * 3 // 16 + 2 * d
+    layer8 = model_size._attention_params(m, 8) + m.d_ff * d * 3 // 8 + 2 * d
+    head = m.vocab_size * d
+    # the layers, and the embedding and the untied head, each split by tp
+    embeddings = 2 * (head // 16 - head // 8)
+    assert b16.params_on_rank - b8.params_on_rank == m.n_layers * (layer16 - layer8) + embeddings
