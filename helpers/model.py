@@ -5,6 +5,10 @@ A decoder-only transformer in plain PyTorch, in the shape vocabulary of chapter 
 
 - token and learned position embeddings; pre-norm blocks ``x + attn(ln1(x))``, ``x + mlp(ln2(x))``; a final
   LayerNorm and an LM head, tied to the token embedding or not;
+- or, with :meth:`GPTConfig.llama_style`, the blocks of Llama (Touvron et al. 2023): RMSNorm (Zhang and
+  Sennrich 2019), rotary position embeddings on the queries and keys instead of learned positions (RoPE, Su et
+  al. 2021, in the "rotate half" layout of GPT-NeoX and Hugging Face's Llama), the gated SwiGLU MLP
+  (Shazeer 2020) and untied embeddings;
 - attention with grouped KV heads (GQA, Ainslie et al. 2023): ``n_kv_heads`` key/value heads, each shared by
   ``n_heads / n_kv_heads`` query heads; ``n_kv_heads == n_heads`` is ordinary multi-head attention;
 - an MLP ``down(gelu(up(x)))``, or the gated ``down(silu(gate(x)) * up(x))`` of Llama when ``gated=True``;
@@ -49,6 +53,14 @@ class GPTConfig:
     gated: bool = False
     tie_embeddings: bool = True
     norm_eps: float = 1e-5
+    norm: str = "layernorm"  # or "rmsnorm"
+    rope_theta: float | None = None  # rotary positions with this base; None: learned position embeddings
+
+    @classmethod
+    def llama_style(cls, **changes) -> "GPTConfig":
+        """Llama's block: RMSNorm, rotary positions (base 10,000), SwiGLU, untied embeddings; GQA as given."""
+        return cls(**{"norm": "rmsnorm", "rope_theta": 10000.0, "gated": True, "tie_embeddings": False,
+                      **changes})
 
     def __post_init__(self):
         for field in ("vocab_size", "seq_len", "n_layers", "d_model", "n_heads", "n_kv_heads", "d_ff"):
@@ -59,10 +71,30 @@ class GPTConfig:
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"n_kv_heads={self.n_kv_heads} must divide n_heads={self.n_heads} "
                              f"(each KV head serves the same number of query heads)")
+        if self.norm not in ("layernorm", "rmsnorm"):
+            raise ValueError(f"norm={self.norm!r} is not one of 'layernorm', 'rmsnorm'")
+        if self.rope_theta is not None and self.head_dim % 2:
+            raise ValueError(f"rotary positions turn pairs of features: head_dim={self.head_dim} is odd")
 
     @property
     def head_dim(self) -> int:
         return self.d_model // self.n_heads
+
+
+def rotary_tables(positions: torch.Tensor, head_dim: int, theta: float, dtype=torch.float32):
+    """RoPE's cosines and sines at ``positions``, (time, head_dim) each: feature pair ``(j, j + head_dim/2)``
+    turns by ``position · theta^(-2j/head_dim)`` (Su et al. 2021). Computed in fp64, then cast."""
+    inv_freq = theta ** (-torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    angles = positions.to(torch.float64)[:, None] * inv_freq[None, :]
+    angles = torch.cat([angles, angles], dim=-1)
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def apply_rotary(x: torch.Tensor, rope) -> torch.Tensor:
+    """``x`` (batch, heads, time, head_dim) rotated by the tables ``rope = (cos, sin)`` of its positions."""
+    cos, sin = rope
+    first, second = x.chunk(2, dim=-1)
+    return x * cos + torch.cat([-second, first], dim=-1) * sin
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -75,11 +107,12 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
 class Attention(nn.Module):
     """Self-attention over ``n_heads`` query heads and ``n_kv_heads`` key/value heads; ``core`` attends."""
 
-    def __init__(self, d_model: int, n_heads: int, n_kv_heads: int, head_dim: int):
+    def __init__(self, d_model: int, n_heads: int, n_kv_heads: int, head_dim: int,
+                 rope_theta: float | None = None):
         super().__init__()
         if n_heads % n_kv_heads:
             raise ValueError(f"n_kv_heads={n_kv_heads} must divide n_heads={n_heads}")
-        self.head_dim = head_dim
+        self.head_dim, self.rope_theta = head_dim, rope_theta
         self.q_proj = nn.Linear(d_model, n_heads * head_dim, bias=False)
         self.k_proj = nn.Linear(d_model, n_kv_heads * head_dim, bias=False)
         self.v_proj = nn.Linear(d_model, n_kv_heads * head_dim, bias=False)
@@ -89,9 +122,14 @@ class Attention(nn.Module):
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return self.q_proj(x), self.k_proj(x), self.v_proj(x)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope=None) -> torch.Tensor:
+        """``rope``: the rotary tables of the positions ``x`` holds (by default ``0 … time-1``)."""
         # (batch, time, heads * head_dim) -> (batch, heads, time, head_dim): as many heads as the weights give
         q, k, v = (t.unflatten(-1, (-1, self.head_dim)).transpose(1, 2) for t in self.project(x))
+        if self.rope_theta is not None:  # rotated before the core: a ring passes rotated keys around
+            if rope is None:
+                rope = rotary_tables(torch.arange(q.shape[2]), self.head_dim, self.rope_theta, q.dtype)
+            q, k = apply_rotary(q, rope), apply_rotary(k, rope)
         y = self.core(q, k, v)
         return self.o_proj(y.transpose(1, 2).flatten(2))
 
@@ -115,16 +153,22 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(h[0]) * h[1] if self.gated else F.gelu(h))
 
 
+def norm(cfg: GPTConfig) -> nn.Module:
+    if cfg.norm == "rmsnorm":
+        return nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+    return nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps)
+
+
 class Block(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
-        self.ln1 = nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps)
-        self.attn = Attention(cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim)
-        self.ln2 = nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps)
+        self.ln1 = norm(cfg)
+        self.attn = Attention(cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.rope_theta)
+        self.ln2 = norm(cfg)
         self.mlp = MLP(cfg.d_model, cfg.d_ff, cfg.gated)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln1(x))
+    def forward(self, x: torch.Tensor, rope=None) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x), rope)
         return x + self.mlp(self.ln2(x))
 
 
@@ -145,9 +189,9 @@ class GPT(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
-        self.pos_emb = nn.Embedding(cfg.seq_len, cfg.d_model)
+        self.pos_emb = nn.Embedding(cfg.seq_len, cfg.d_model) if cfg.rope_theta is None else None
         self.blocks = Blocks({str(i): Block(cfg) for i in range(cfg.n_layers)})
-        self.ln_f = nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps)
+        self.ln_f = norm(cfg)
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.tok_emb.weight
@@ -160,19 +204,22 @@ class GPT(nn.Module):
         model's ``loss_fn``: the mean next-token cross-entropy).
 
         ``positions`` are the global positions of ``idx``'s columns (by default ``0 … time-1``; a rank holding
-        part of the sequence passes its own). A model without ``tok_emb`` (a pipeline stage after the first)
-        takes activations for ``idx``; one without ``lm_head`` (before the last) returns activations.
+        part of the sequence passes its own): the learned embedding's rows, or the rotary tables every block
+        shares. A model without ``tok_emb`` (a pipeline stage after the first) takes activations for ``idx``;
+        one without ``lm_head`` (before the last) returns activations.
         """
-        if self.tok_emb is None:
-            x = idx
-        else:
-            if positions is None:
-                positions = torch.arange(idx.shape[1], device=idx.device)
-            if positions.numel() and int(positions.max()) >= self.cfg.seq_len:
-                raise ValueError(f"position {int(positions.max())} is past seq_len={self.cfg.seq_len}")
-            x = self.tok_emb(idx) + self.pos_emb(positions)
+        if positions is None:
+            positions = torch.arange(idx.shape[1], device=idx.device)
+        if positions.numel() and int(positions.max()) >= self.cfg.seq_len:
+            raise ValueError(f"position {int(positions.max())} is past seq_len={self.cfg.seq_len}")
+        x = idx if self.tok_emb is None else self.tok_emb(idx)
+        if self.pos_emb is not None and self.tok_emb is not None:
+            x = x + self.pos_emb(positions)
+        rope = None
+        if self.cfg.rope_theta is not None:  # computed once, shared by every block
+            rope = rotary_tables(positions, self.cfg.head_dim, self.cfg.rope_theta, x.dtype)
         for block in self.blocks:
-            x = block(x)
+            x = block(x, rope)
         if self.lm_head is None:
             return x
         logits = self.lm_head(self.ln_f(x))

@@ -105,3 +105,45 @@ def test_a_few_steps_reduce_the_loss_fast():
     print(f"{per_step * 1e3:.1f} ms per step, loss {losses[0]:.2f} -> {losses[-1]:.2f}")
     assert cross_entropy(torch.zeros(1, 1, 4), torch.zeros(1, 1, dtype=torch.long)).item() == pytest.approx(
         torch.log(torch.tensor(4.0)).item())
+
+
+def test_llama_style_is_one_flag_set_with_rmsnorm_rope_swiglu_and_untied_embeddings():
+    cfg = GPTConfig.llama_style(n_kv_heads=2)
+    model = GPT(cfg)
+    assert isinstance(model.blocks[0].ln1, torch.nn.RMSNorm) and isinstance(model.ln_f, torch.nn.RMSNorm)
+    assert model.pos_emb is None and model.blocks[0].mlp.gated
+    assert model.lm_head.weight is not model.tok_emb.weight
+    with pytest.raises(ValueError, match="norm='batchnorm' is not one of"):
+        GPTConfig(norm="batchnorm")
+    with pytest.raises(ValueError, match="head_dim=3 is odd"):
+        GPTConfig(d_model=12, n_heads=4, n_kv_heads=4, rope_theta=10000.0)
+
+
+def test_rotary_positions_make_scores_depend_on_the_distance_only():
+    """RoPE's defining property (Su et al. 2021): q·k after rotation depends on p_q - p_k alone, exactly in
+    fp64 up to rounding; and rotation keeps every vector's norm."""
+    from helpers.model import apply_rotary, rotary_tables
+
+    gen = torch.Generator().manual_seed(0)
+    q, k = (torch.randn(1, 1, 1, 16, dtype=torch.float64, generator=gen) for _ in range(2))
+
+    def score(p_q, p_k):
+        tables = [rotary_tables(torch.tensor([p]), 16, 10000.0, torch.float64) for p in (p_q, p_k)]
+        return (apply_rotary(q, tables[0]) * apply_rotary(k, tables[1])).sum()
+
+    assert torch.allclose(score(3, 1), score(10, 8), rtol=1e-12)
+    assert torch.allclose(score(5, 5), (q * k).sum(), rtol=1e-12)
+    assert not torch.allclose(score(3, 1), score(3, 2), rtol=1e-3)
+    rotated = apply_rotary(q, rotary_tables(torch.tensor([7]), 16, 10000.0, torch.float64))
+    assert torch.allclose(rotated.norm(), q.norm(), rtol=1e-12)
+
+
+def test_rotary_positions_are_relative_so_only_the_gaps_between_positions_matter():
+    """Shifting every position by 8 changes nothing (within fp64 rounding); opening a gap in the middle does:
+    a context-parallel rank that gave its tokens the wrong offsets would compute another model."""
+    model = GPT(GPTConfig.llama_style()).double()
+    idx = torch.randint(0, 64, (2, 8))
+    assert torch.equal(model(idx), model(idx, positions=torch.arange(8)))
+    assert torch.allclose(model(idx), model(idx, positions=torch.arange(8, 16)), rtol=0, atol=1e-12)
+    gap = torch.cat([torch.arange(4), torch.arange(12, 16)])
+    assert not torch.allclose(model(idx)[:, 4:], model(idx, positions=gap)[:, 4:], atol=1e-6)
