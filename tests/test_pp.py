@@ -10,10 +10,13 @@ starts two ranks, runs each schedule on a small GPT, and compares the loss (with
 gradients (within rtol 1e-6 of each tensor's largest entry: fp32 rounding) with the single process here, and
 the activations each rank kept, measured by saved-tensor hooks, and the bytes each rank sent and received with
 the formulas, exactly; so does a run given positions other than the default. Fixed stage times change no
-gradient, bit for bit.
+gradient, bit for bit. The book's default GPT, whose LM head is tied to the token embedding, runs too: the
+last chunk holds its own copy, and the embedding group of the first and last ranks sums the two copies'
+gradients, so each is the single process's gradient of the one weight (within the same rtol) and the copies
+are equal, bit for bit, after an AdamW step; a Llama-style GPT (rotary positions in every chunk) matches the
+single process as well.
 """
 
-from dataclasses import replace
 from fractions import Fraction
 
 import ipyparallel as ipp
@@ -22,10 +25,11 @@ import torch
 
 from conftest import assert_close_to_scale, seeded_batch, small_config
 from helpers import measure
-from helpers.model import GPT
-from helpers.parallel import pipeline_parallel, pipeline_schedules
+from helpers.model import GPT, GPTConfig
+from helpers.parallel import pipeline_parallel, pipeline_schedules, pipeline_timeline
 
 CFG = small_config(n_layers=4, tie_embeddings=False)
+TIED = small_config(n_layers=4)  # the book's default: the LM head is the token embedding
 M = 4  # micro-batches of one sequence: the global batch of the two-rank tests
 X, Y = seeded_batch(CFG, M)
 RTOL = 1e-6
@@ -119,7 +123,6 @@ def test_interleaving_needs_m_to_be_a_multiple_of_p():
 
 @pytest.mark.parametrize("cfg, n_chunks, message", [
     (CFG, 5, "n_chunks=5 .* must not exceed n_layers=4"),
-    (replace(CFG, tie_embeddings=True), 2, "tie_embeddings=True"),
     (CFG, 0, "at least one chunk"),
 ])
 def test_a_bad_layout_names_the_broken_constraint(cfg, n_chunks, message):
@@ -127,16 +130,30 @@ def test_a_bad_layout_names_the_broken_constraint(cfg, n_chunks, message):
         pipeline_parallel.check_layout(cfg, n_chunks)
 
 
+def test_a_tied_model_is_cut_with_a_copy_of_the_embedding_on_the_last_chunk():
+    pipeline_parallel.check_layout(TIED, 2)  # no longer refused
+    first, middle, last = pipeline_parallel.split_model(GPT(TIED, seed=0), 3)
+    assert torch.equal(last.lm_head.weight, first.tok_emb.weight)
+    assert last.lm_head.weight is not first.tok_emb.weight
+    assert pipeline_parallel.tied_copies({1: middle}) == []
+    assert pipeline_parallel.tied_copies({0: pipeline_parallel.split_model(GPT(TIED, seed=0), 1)[0]}) == []
+    assert len(pipeline_parallel.tied_copies({0: first, 2: last})) == 2
+    with pytest.raises(ValueError, match="holds one copy of the embedding .* no embedding group"):
+        pipeline_parallel.allreduce_embedding_grads({2: last}, None)
+
+
+@pytest.mark.parametrize("cfg", [CFG, TIED], ids=["untied", "tied"])
 @pytest.mark.parametrize("n_chunks", [1, 2, 3, 4])
-def test_the_chunks_in_a_row_are_the_reference_bit_for_bit(n_chunks):
-    reference = GPT(CFG, seed=0)
+def test_the_chunks_in_a_row_are_the_reference_bit_for_bit(n_chunks, cfg):
+    reference = GPT(cfg, seed=0)
     chunks = pipeline_parallel.split_model(reference, n_chunks)
     assert all(isinstance(c, GPT) for c in chunks)
-    names = sorted(n for c in chunks for n, _ in c.named_parameters())
-    assert names == sorted(n for n, _ in reference.named_parameters())  # the reference's names, each once
-    full = dict(reference.named_parameters())
+    # the reference's names, each once; a tied weight under both of its names
+    names = sorted(n for c in chunks for n, _ in c.named_parameters(remove_duplicate=False))
+    assert names == sorted(n for n, _ in reference.named_parameters(remove_duplicate=False))
+    full = dict(reference.named_parameters(remove_duplicate=False))
     for c in chunks:
-        for n, p in c.named_parameters():
+        for n, p in c.named_parameters(remove_duplicate=False):
             assert torch.equal(p, full[n]) and p is not full[n], n  # a copy, equal
     x, y = seeded_batch(CFG, 2)
     positions = torch.arange(1, CFG.seq_len)  # not the default: the first chunk must use them
@@ -194,7 +211,7 @@ def test_input_then_weight_gradients_are_the_whole_backward_and_its_flops_exactl
 def test_saved_activations_follow_autograd_from_forward_to_the_last_backward():
     per_layer = measure.saved_bytes_per_layer(CFG, 2, CFG.seq_len)
     chunk, h, grad = _one_chunk()  # one layer
-    saved = pipeline_parallel.SavedActivations([chunk])
+    saved = pipeline_timeline.SavedActivations([chunk])
     try:
         out, edges = pipeline_parallel.forward_step(chunk, h)
         assert saved.bytes == per_layer
@@ -225,9 +242,10 @@ def _pipeline_step(cfg, schedule, x, y, stage_seconds=None, positions=None):
     base = GPT(cfg, seed=0)
     chunks = {c: pipeline_parallel.pipeline_chunk(base, c, schedule.n_chunks)
               for c in schedule.chunks_of(dist.get_rank())}
+    embedding = pipeline_parallel.embedding_group(schedule.placement)  # every rank calls it
     LEDGER.clear()
     losses, events = pipeline_parallel.run_schedule(schedule, chunks, x, y, stage_seconds=stage_seconds,
-                                                    positions=positions)
+                                                    positions=positions, embedding_group=embedding)
     return ({k: float(v) for k, v in losses.items()}, {n: g for c in chunks.values()
                                                         for n, g in named_grads(c).items()},
             (max(e.saved_bytes for e in events), events[-1].saved_bytes), LEDGER.totals("pipeline"),
@@ -290,3 +308,66 @@ def test_the_first_chunk_takes_the_positions_it_is_given(ranks):
     assert sum(results[1][0].values()) / M == pytest.approx(loss.item(), rel=1e-6)
     grads = {n: g for _, per_rank, _, _, _ in results for n, g in per_rank.items()}
     assert_close_to_scale(grads, want, RTOL, "positions given to the first chunk, the two stages' gradients:")
+
+
+def _reference_grads(cfg, x, y):
+    """The single process's loss and gradients by name, a tied weight's under both of its names."""
+    reference = GPT(cfg, seed=0)
+    loss = reference(x, y)[1]
+    loss.backward()
+    return loss, {n: p.grad for n, p in reference.named_parameters(remove_duplicate=False)}
+
+
+@ipp.interactive
+def _tied_adamw_step(cfg, schedule, x, y):
+    import torch
+    import torch.distributed as dist
+
+    from helpers.model import GPT
+    from helpers.parallel import pipeline_parallel
+    from helpers.reference import named_params
+
+    base = GPT(cfg, seed=0)
+    chunks = {c: pipeline_parallel.pipeline_chunk(base, c, schedule.n_chunks)
+              for c in schedule.chunks_of(dist.get_rank())}
+    embedding = pipeline_parallel.embedding_group(schedule.placement)
+    optimizer = torch.optim.AdamW([p for c in chunks.values() for p in c.parameters()], lr=1e-2)
+    pipeline_parallel.run_schedule(schedule, chunks, x, y, embedding_group=embedding)
+    optimizer.step()
+    return {n: p for c in chunks.values() for n, p in named_params(c).items()}
+
+
+@pytest.mark.parametrize("make", [lambda: pipeline_schedules.one_f_one_b(2, M),
+                                  lambda: pipeline_schedules.interleaved_1f1b(2, M, 2),
+                                  lambda: pipeline_schedules.zb_h1(2, M)],
+                         ids=["1F1B", "interleaved", "ZB-H1"])
+def test_the_tied_gpt_on_two_ranks_matches_the_single_process(ranks, make):
+    s = make()
+    loss, want = _reference_grads(TIED, X, Y)
+    results = ranks.apply(_pipeline_step, TIED, s, X, Y)
+    assert sum(results[1][0].values()) / M == pytest.approx(loss.item(), rel=1e-6), s.name
+    grads = {n: g for _, per_rank, _, _, _ in results for n, g in per_rank.items()}
+    # each copy's gradient is the sum of both uses': the one weight's gradient in one process
+    assert_close_to_scale(grads, want, RTOL, f"{s.name}, tied embeddings, the two stages' gradients:")
+    params = ranks.apply(_tied_adamw_step, TIED, s, X, Y)
+    assert not torch.equal(params[0]["tok_emb.weight"], GPT(TIED, seed=0).tok_emb.weight)  # it moved
+    assert torch.equal(params[0]["tok_emb.weight"], params[1]["lm_head.weight"]), \
+        f"{s.name}: the two copies of the tied embedding differ after an AdamW step"
+
+
+def test_a_llama_style_gpt_on_two_ranks_matches_the_single_process(ranks):
+    # rotary positions: every chunk builds its tables from the positions the executor gives it
+    shape = {f: getattr(CFG, f) for f in ("vocab_size", "seq_len", "n_layers", "d_model", "n_heads",
+                                          "n_kv_heads", "d_ff")}
+    cfg = GPTConfig.llama_style(**shape)
+    half = cfg.seq_len // 2
+    x, y, positions = X[:, half:], Y[:, half:], torch.arange(half, cfg.seq_len)  # not the default positions
+    reference = GPT(cfg, seed=0)
+    loss = reference(x, y, positions=positions)[1]
+    loss.backward()
+    want = {n: p.grad for n, p in reference.named_parameters()}
+    s = pipeline_schedules.one_f_one_b(2, M)
+    results = ranks.apply(_pipeline_step, cfg, s, x, y, None, positions)
+    assert sum(results[1][0].values()) / M == pytest.approx(loss.item(), rel=1e-6)
+    grads = {n: g for _, per_rank, _, _, _ in results for n, g in per_rank.items()}
+    assert_close_to_scale(grads, want, RTOL, "Llama-style GPT, the two stages' gradients:")

@@ -4,13 +4,15 @@ schedule.
 - :func:`pipeline_chunk` is a slice of the one reference GPT: a copy keeping a run of its blocks, with the
   embeddings only on the first chunk and the final norm and LM head only on the last (the others ``None``),
   under the reference's parameter names; :func:`split_model` cuts a model into chunks of
-  :func:`helpers.parallel.pipeline_schedules.stage_layers`.
+  :func:`helpers.parallel.pipeline_schedules.stage_layers`. A tied LM head becomes the last chunk's own copy
+  of the embedding; :func:`embedding_group` and :func:`allreduce_embedding_grads` keep the two copies equal,
+  as Megatron-LM's embedding group does (the first and the last stage sum their gradients).
 - :func:`run_schedule` runs this rank's (the group's rank) actions of a
   :class:`helpers.parallel.pipeline_schedules.Schedule`, one :class:`Executor` method per action: F, B or I,
   W. Activations travel forward and their gradients backward by the tagged messages of
   :mod:`helpers.parallel.comms`, counted in the ledger; sends are asynchronous and receives wait, so the rank
-  works in the schedule's order. Each action becomes an :class:`Event`, with the bytes
-  :class:`SavedActivations` measures.
+  works in the schedule's order. Each action becomes an :class:`helpers.parallel.pipeline_timeline.Event`,
+  with the bytes its ``SavedActivations`` measures.
 - :func:`backward_input` and :func:`backward_weight` split a chunk's backward in two for the zero-bubble
   schedules, as ``torch.distributed.pipelining`` does: the first computes the gradients of the activations
   only, keeping the gradient at the output of every layer with weights; the second computes the weights'
@@ -25,34 +27,30 @@ them.
 from __future__ import annotations
 
 import copy
-import time
-from contextlib import contextmanager
-from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.autograd.graph import get_gradient_edge, saved_tensors_hooks
+from torch.autograd.graph import get_gradient_edge
 
 from helpers import layout_rules
 from helpers.model import GPT, GPTConfig, cross_entropy
 from helpers.parallel import comms
 from helpers.parallel.pipeline_schedules import Action, Schedule, stage_layers, validate
+from helpers.parallel.pipeline_timeline import Timeline
 
 
 def check_layout(cfg: GPTConfig, n_chunks: int) -> None:
     """Raise a ValueError naming the broken constraint if ``cfg`` cannot be cut into ``n_chunks`` chunks."""
     layout_rules.pipeline_parallel(n_chunks, cfg.n_layers)
-    if cfg.tie_embeddings and n_chunks > 1:
-        raise ValueError("tie_embeddings=True puts one weight on the first and the last chunk: build the "
-                         "pipeline model with tie_embeddings=False (or all-reduce that weight's gradient "
-                         "between the two stages, as Megatron-LM does)")
 
 
 def pipeline_chunk(model: GPT, index: int, n_chunks: int) -> GPT:
     """Chunk ``index`` of ``n_chunks``: a copy of ``model`` with only that chunk's blocks; the embeddings stay
     on the first chunk, the final norm and the LM head on the last. Its forward maps token ids (first chunk)
-    or activations to activations (or, on the last chunk, logits and with targets the loss)."""
+    or activations to activations (or, on the last chunk, logits and with targets the loss). A tied LM head
+    on the last chunk is that chunk's own copy of the token embedding, equal to it (see
+    :func:`allreduce_embedding_grads`)."""
     check_layout(model.cfg, n_chunks)
     keep = stage_layers(model.cfg.n_layers, n_chunks)[index]
     try:
@@ -76,111 +74,60 @@ def split_model(model: GPT, n_chunks: int) -> list[GPT]:
 
 
 # ---------------------------------------------------------------------------------------------------------
-# What a rank records: events and saved activations
+# Tied embeddings: Megatron-LM's embedding group
 # ---------------------------------------------------------------------------------------------------------
 
-
-class Event(NamedTuple):
-    """One action as a rank ran it: when it began waiting for its input, when it started computing, when the
-    computation ended and when the action ended (later if it was padded to a fixed duration), on
-    ``time.perf_counter``, the machine's monotonic clock, the same in every process; and the bytes of
-    activations the rank's transformer blocks still had saved for backward afterwards, measured by
-    :class:`SavedActivations`."""
-
-    kind: str
-    chunk: int
-    micro_batch: int
-    waited: float
-    start: float
-    computed: float
-    end: float
-    saved_bytes: int
+_EMBEDDING_GROUPS: dict = {}  # global ranks: (the default group it was made in, the group)
 
 
-class _Saved:
-    """What autograd keeps in place of one saved tensor while a :class:`SavedActivations` watches: it lives
-    exactly as long as autograd keeps the tensor for backward."""
-
-    __slots__ = ("tensor", "meter", "key")
-
-    def __init__(self, tensor, meter, key):
-        self.tensor, self.meter, self.key = tensor, meter, key
-
-    def __del__(self):
-        self.meter._release(self.key)
-
-
-class SavedActivations:
-    """The bytes of the tensors that autograd keeps saved for backward inside the transformer blocks of
-    ``chunks``, live: while a block runs its forward, a ``saved_tensors_hooks`` pack hook wraps every tensor
-    autograd saves in a holder that autograd keeps instead of the tensor and drops when it frees it. Each
-    storage counts once; the parameters (``F.linear`` saves the weight) are left out, since they are not
-    activations."""
-
-    def __init__(self, chunks):
-        self.params = {p.untyped_storage().data_ptr() for c in chunks for p in c.parameters()}
-        self.live: dict[int, list] = {}  # storage pointer: [bytes, holders]
-        self.bytes = 0
-        self._contexts: list = []
-        self._handles = [h for c in chunks for block in c.blocks
-                         for h in (block.register_forward_pre_hook(self._enter),
-                                   block.register_forward_hook(self._exit))]
-
-    def _enter(self, module, args):
-        self._contexts.append(saved_tensors_hooks(self._pack, self._unpack))
-        self._contexts[-1].__enter__()
-
-    def _exit(self, module, args, output):
-        self._contexts.pop().__exit__(None, None, None)
-
-    def _pack(self, tensor):
-        storage = tensor.untyped_storage()
-        if storage.data_ptr() in self.params:
-            return tensor
-        entry = self.live.setdefault(storage.data_ptr(), [storage.nbytes(), 0])
-        self.bytes += entry[0] if entry[1] == 0 else 0
-        entry[1] += 1
-        # detached: a saved output would hold its own node
-        return _Saved(tensor.detach(), self, storage.data_ptr())
-
-    @staticmethod
-    def _unpack(packed):
-        return packed.tensor if isinstance(packed, _Saved) else packed
-
-    def _release(self, key) -> None:
-        entry = self.live[key]
-        entry[1] -= 1
-        if entry[1] == 0:
-            self.bytes -= entry[0]
-            del self.live[key]
-
-    def close(self) -> None:
-        for h in self._handles:
-            h.remove()
+def embedding_group(placement, group=None):
+    """Megatron-LM's *embedding group*: the ranks (of ``group``) holding the first and the last chunk of a
+    pipeline whose chunk ``c`` runs on rank ``placement[c]`` (a schedule's ``s.placement``). Every rank of
+    ``group`` calls it, in the same order; a rank outside the pair gets ``None``, and so does every rank
+    when one rank holds both chunks (its two copies are summed where they are). Made once per pair of
+    ranks, with a barrier among the pair only (``use_local_synchronization``)."""
+    pair = sorted({placement[0], placement[-1]})
+    if len(pair) == 1:
+        return None
+    members = tuple(r if group is None else dist.get_global_rank(group, r) for r in pair)
+    world = dist.group.WORLD
+    if members not in _EMBEDDING_GROUPS or _EMBEDDING_GROUPS[members][0] is not world:
+        made = dist.new_group(list(members), use_local_synchronization=True)
+        _EMBEDDING_GROUPS[members] = (world, made)
+    return _EMBEDDING_GROUPS[members][1] if dist.get_rank() in members else None
 
 
-class _Timeline:
-    """A rank's :class:`Event` s: the times around each action's computation, padded by a sleep to the
-    stage's fixed time for its kind where ``seconds`` gives one, and the bytes saved after it."""
+def tied_copies(chunks: dict[int, GPT]) -> list[nn.Parameter]:
+    """The copies of a tied embedding this rank must sum: the first chunk's ``tok_emb.weight`` and the last
+    chunk's ``lm_head.weight``, as far as they are here; none if untied, or if one chunk holds both (one
+    weight, as in one process)."""
+    if any(c.tok_emb is not None and c.lm_head is not None for c in chunks.values()):
+        return []
+    return [p for c in chunks.values() if c.cfg.tie_embeddings
+            for p in ([] if c.tok_emb is None else [c.tok_emb.weight])
+            + ([] if c.lm_head is None else [c.lm_head.weight])]
 
-    def __init__(self, chunks, seconds: dict):
-        self.saved = SavedActivations(chunks)
-        self.seconds, self.events = seconds, []
-        self.waited = time.perf_counter()
 
-    @contextmanager
-    def computing(self, kind: str):
-        self.start = time.perf_counter()
-        yield
-        self.computed = time.perf_counter()
-        if self.seconds.get(kind):
-            time.sleep(max(0.0, self.start + self.seconds[kind] - self.computed))
-        self.end = time.perf_counter()
+def _check_embedding_group(chunks: dict[int, GPT], group) -> None:
+    if len(tied_copies(chunks)) == 1 and group is None:
+        raise ValueError("tied embeddings: this rank holds one copy of the embedding (the first or the last "
+                         "chunk's) and no embedding group to sum its gradient with the other's: pass "
+                         "embedding_group=pipeline_parallel.embedding_group(s.placement, group)")
 
-    def record(self, a: Action) -> None:
-        self.events.append(Event(a.kind, a.chunk, a.micro_batch, self.waited, self.start, self.computed,
-                                 self.end, self.saved.bytes))
-        self.waited = time.perf_counter()  # the next action starts waiting for its input
+
+def allreduce_embedding_grads(chunks: dict[int, GPT], group) -> None:
+    """After a step's backward, sum the gradients of the two copies of a tied embedding, so that both take
+    the same optimizer step and stay equal: over ``group`` (:func:`embedding_group`) between the first and
+    the last stage, or in place where this rank holds both, as Megatron-LM's
+    ``_allreduce_word_embedding_grads`` does. The loss uses the weight twice, at the input and at the
+    output; each stage sees one use, so each copy's gradient is one of the two terms of the whole."""
+    _check_embedding_group(chunks, group)
+    copies = tied_copies(chunks)
+    if len(copies) == 2:  # the first and the last chunk on this rank
+        total = copies[0].grad + copies[1].grad
+        copies[0].grad, copies[1].grad = total, total.clone()
+    elif copies:
+        comms.all_reduce(copies[0].grad, group)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -297,7 +244,7 @@ class Executor:
         shape = activation_shape or (*self.xs[0].shape, some_chunk.cfg.d_model)  # between two chunks
         like = torch.empty(shape, dtype=next(some_chunk.parameters()).dtype)
         self.mail = _Mailbox(s, group, like, timeout_s)
-        self.timeline = _Timeline(chunks.values(), {kind: t / len(chunks)  # a chunk's share of a stage
+        self.timeline = Timeline(chunks.values(), {kind: t / len(chunks)  # a chunk's share of a stage
                                                     for kind, t in (stage_seconds or {}).items()})
         self.kept, self.losses = {}, {}
 
@@ -306,7 +253,7 @@ class Executor:
         x = self.xs[i] if c == 0 else self.mail.recv("F", c - 1, i, step).requires_grad_()
         target = self.ys[i] if c == self.last else None
         with self.timeline.computing("F"):  # padded before the send: the next rank starts after it
-            out, edges = forward_step(self.chunks[c], x, target, positions=self.positions if c == 0 else None)
+            out, edges = forward_step(self.chunks[c], x, target, positions=self.positions)
             if c == self.last:  # the chunk's own loss; this micro-batch's share of the batch's mean
                 self.losses[str(i)] = out[1].detach()
                 out = out[1] / self.s.m
@@ -334,20 +281,25 @@ class Executor:
 
 def run_schedule(s: Schedule, chunks: dict[int, GPT], tokens: torch.Tensor, targets: torch.Tensor, *,
                  group=None, positions=None, activation_shape=None, timeout_s: float | None = None,
-                 stage_seconds: dict | None = None):
+                 stage_seconds: dict | None = None, embedding_group=None):
     """Run this rank's (``dist.get_rank(group)``) actions of ``s`` on its ``chunks`` (``{chunk index:
     chunk}``) for one global batch, split into ``s.m`` micro-batches. Gradients accumulate into the chunks'
-    parameters. The first chunk is given ``positions`` (by default ``0 … time-1``); ``activation_shape`` is
+    parameters. Every chunk is given ``positions`` (by default ``0 … time-1``); ``activation_shape`` is
     the shape of the tensors between chunks (by default ``(micro-batch, time, d_model)``).
 
     ``stage_seconds`` (e.g. ``{"F": 0.02, "B": 0.04, "I": 0.02, "W": 0.02}``, for a whole stage; a chunk of a
     rank holding ``v`` chunks takes ``1/v`` of it) pads every action with a sleep to a fixed duration, so that
     the timeline shows the schedule rather than the ranks' competition for the machine's cores.
 
+    A tied embedding's two copies have their gradients summed after the last action
+    (:func:`allreduce_embedding_grads`, over ``embedding_group``, which a rank holding one copy must pass).
+
     Returns ``(losses, events)``: each micro-batch's loss on the rank that runs the last chunk (else empty),
-    and one :class:`Event` per action. The schedule is validated first, so a bad one raises a
-    :class:`helpers.parallel.pipeline_schedules.ScheduleError` before any message is sent.
+    and one :class:`helpers.parallel.pipeline_timeline.Event` per action. The schedule is validated first,
+    so a bad one raises a :class:`helpers.parallel.pipeline_schedules.ScheduleError` before any message is
+    sent.
     """
+    _check_embedding_group(chunks, embedding_group)  # before any message is sent
     run = Executor(s, chunks, tokens, targets, group=group, positions=positions,
                    activation_shape=activation_shape, timeout_s=timeout_s, stage_seconds=stage_seconds)
     actions = {"F": run.forward, "B": run.backward, "I": run.backward, "W": run.weight}
@@ -358,6 +310,7 @@ def run_schedule(s: Schedule, chunks: dict[int, GPT], tokens: torch.Tensor, targ
         run.mail.flush()
     finally:
         run.timeline.saved.close()
+    allreduce_embedding_grads(chunks, embedding_group)
     return run.losses, run.timeline.events
 
 
@@ -381,7 +334,8 @@ def torch_pipeline(schedule_cls, model: GPT, tokens, targets, m: int, *, style="
 
     Each stage calls its chunk without targets, so the last returns logits, to which the schedule applies its
     loss function: each micro-batch's mean loss; with ``scale_grads=True`` (the default) the schedule divides
-    the accumulated gradients by ``m``: the same gradients as the whole batch's mean loss.
+    the accumulated gradients by ``m``: the same gradients as the whole batch's mean loss. A tied embedding's
+    copies are then summed over their :func:`embedding_group`, as after :func:`run_schedule`.
     Returns ``(losses, chunks)``.
     """
     from torch.distributed.pipelining import PipelineStage
@@ -397,4 +351,7 @@ def torch_pipeline(schedule_cls, model: GPT, tokens, targets, m: int, *, style="
     args = (tokens,) if 0 in mine else ()
     kwargs = {"target": targets, "losses": losses} if n_chunks - 1 in mine else {}
     schedule.step(*args, **kwargs)
+    placement = [next(r for r in range(p) if c in torch_stage_indices(style, r, p, v))
+                 for c in range(n_chunks)]
+    allreduce_embedding_grads(chunks, embedding_group(placement, group))
     return [float(x.detach()) for x in losses], list(chunks.values())
