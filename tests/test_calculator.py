@@ -306,3 +306,48 @@ def test_kv_heads_are_replicated_when_tp_exceeds_them():
     # the layers, and the embedding and the untied head, each split by tp
     embeddings = 2 * (head // 16 - head // 8)
     assert b16.params_on_rank - b8.params_on_rank == m.n_layers * (layer16 - layer8) + embeddings
+
+
+@pytest.mark.parametrize("recompute", ["selective", "full"])
+def test_measured_recomputation_of_the_llama_style_block(recompute):
+    """Under checkpoint, a layer keeps what the calculator's recompute option says: the core's inputs (grouped
+    K/V heads, not repeated) without the probabilities, or the layer's input alone; gradients bit for bit."""
+    from torch.utils.checkpoint import checkpoint
+
+    from helpers.measure import attention_backend, saved_tensors
+    from helpers.model import causal_attention
+
+    def recomputing(model):
+        for layer, block in model.blocks.items():
+            if recompute == "full":
+                model.blocks[layer] = _Checkpointed(block)
+            else:
+                block.attn.core = lambda q, k, v: checkpoint(causal_attention, q, k, v, use_reentrant=False)
+        return model
+
+    cfg = GPTConfig.llama_style()
+    idx = torch.randint(0, cfg.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))
+    totals = []
+    for n_layers in (1, 2):
+        model = recomputing(GPT(replace(cfg, n_layers=n_layers)))
+        with attention_backend(materialized=True):
+            totals.append(sum(b for b, _, _ in saved_tensors(lambda: model(idx, idx), model).values()))
+    act = replace(EAGER["rmsnorm"], attention="materialized", recompute=recompute, kv_expanded=False)
+    assert totals[1] - totals[0] == memory_budget.layer_activation_bytes(ModelShape.from_gpt(cfg), 32, 2, act,
+                                                                         memory_budget.FP32)
+    plain, redone = GPT(cfg), recomputing(GPT(cfg))
+    for m in (plain, redone):
+        m(idx, idx)[1].backward()
+    for p, q in zip(plain.parameters(), redone.parameters()):
+        assert torch.equal(p.grad, q.grad)
+
+
+class _Checkpointed(torch.nn.Module):
+    def __init__(self, block):
+        super().__init__()
+        self.block = block
+
+    def forward(self, h, *args):
+        from torch.utils.checkpoint import checkpoint
+
+        return checkpoint(self.block, h, *args, use_reentrant=False)
