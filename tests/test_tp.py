@@ -140,6 +140,18 @@ def test_each_rank_holds_its_slice_under_the_plans_names(stand_in, cfg):
         assert model.tok_emb.vocab_start == rank * cfg.vocab_size // 2
 
 
+def test_a_copied_kv_head_is_the_one_the_ranks_query_heads_use(stand_in):
+    """Four ranks, two KV heads: rank r holds KV head r // 2 (not r % 2), and ranks 2j and 2j+1 the same."""
+    reference = GPT(LLAMA, seed=0)
+    hd, q_rows = LLAMA.head_dim, LLAMA.n_heads * LLAMA.head_dim // 4
+    for rank in range(4):
+        qkv = tensor_parallel.from_reference(reference, StandInGroup(rank, 4)).blocks[0].attn.qkv_proj.weight
+        head = slice(rank // 2 * hd, (rank // 2 + 1) * hd)
+        attn = reference.blocks[0].attn
+        want = torch.cat([attn.k_proj.weight[head], attn.v_proj.weight[head]])
+        assert torch.equal(qkv[q_rows:], want), f"rank {rank} does not hold KV head {rank // 2}"
+
+
 def test_a_pipeline_stage_is_parallelized_and_an_attention_core_kept(stand_in):
     def core(q, k, v):
         raise AssertionError("not called here")
