@@ -277,7 +277,8 @@ def parallelize(model, layout: CPLayout, group=None, attention: str = "ring"):
 
 def shard_sequence(x: torch.Tensor, y: torch.Tensor, layout: CPLayout, group=None):
     """This rank's columns of the inputs ``x`` and targets ``y`` (batch, seq_len), and their global positions,
-    which the model's forward takes as ``positions``."""
+    which the model's forward takes as ``positions``: the learned embedding's rows, or the angles of the
+    rotary tables, so that each rank rotates its queries and keys at its own offsets (not from 0)."""
     if x.shape[1] != layout.seq_len or y.shape != x.shape:
         raise ValueError(f"inputs {tuple(x.shape)}, targets {tuple(y.shape)}: the layout is for "
                          f"sequences of {layout.seq_len}")
