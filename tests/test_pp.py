@@ -345,7 +345,7 @@ def test_the_tied_gpt_on_two_ranks_matches_the_single_process(ranks, make):
     s = make()
     loss, want = _reference_grads(TIED, X, Y)
     results = ranks.apply(_pipeline_step, TIED, s, X, Y)
-    assert sum(results[1][0].values()) / M == pytest.approx(loss.item(), rel=1e-6), s.name
+    assert sum(results[1][0].values()) / M == pytest.approx(loss.item(), rel=1e-6), f"{s.name}, tied: loss"
     grads = {n: g for _, per_rank, _, _, _ in results for n, g in per_rank.items()}
     # each copy's gradient is the sum of both uses': the one weight's gradient in one process
     assert_close_to_scale(grads, want, RTOL, f"{s.name}, tied embeddings, the two stages' gradients:")
@@ -360,14 +360,17 @@ def test_a_llama_style_gpt_on_two_ranks_matches_the_single_process(ranks):
     shape = {f: getattr(CFG, f) for f in ("vocab_size", "seq_len", "n_layers", "d_model", "n_heads",
                                           "n_kv_heads", "d_ff")}
     cfg = GPTConfig.llama_style(**shape)
-    half = cfg.seq_len // 2
-    x, y, positions = X[:, half:], Y[:, half:], torch.arange(half, cfg.seq_len)  # not the default positions
+    # the first and the last quarter of each sequence, as a zig-zag context-parallel rank holds it: RoPE sees
+    # only the gaps between positions, so a chunk left at the default 0 … t-1 would be caught by the gap
+    q = cfg.seq_len // 4
+    positions = torch.cat([torch.arange(q), torch.arange(cfg.seq_len - q, cfg.seq_len)])
+    x, y = X[:, positions], Y[:, positions]
     reference = GPT(cfg, seed=0)
     loss = reference(x, y, positions=positions)[1]
     loss.backward()
     want = {n: p.grad for n, p in reference.named_parameters()}
     s = pipeline_schedules.one_f_one_b(2, M)
     results = ranks.apply(_pipeline_step, cfg, s, x, y, None, positions)
-    assert sum(results[1][0].values()) / M == pytest.approx(loss.item(), rel=1e-6)
+    assert sum(results[1][0].values()) / M == pytest.approx(loss.item(), rel=1e-6), "Llama-style GPT: loss"
     grads = {n: g for _, per_rank, _, _, _ in results for n, g in per_rank.items()}
     assert_close_to_scale(grads, want, RTOL, "Llama-style GPT, the two stages' gradients:")
