@@ -24,7 +24,8 @@ CHAPTERS = {
     "03": ("helpers.parallel.data_parallel",),
     "04": ("helpers.parallel.zero",),
     "05": ("helpers.parallel.tensor_parallel_comms", "helpers.parallel.tensor_parallel"),
-    "06": ("helpers.parallel.pipeline_schedules", "helpers.parallel.pipeline_parallel"),
+    "06": ("helpers.parallel.pipeline_schedules", "helpers.parallel.pipeline_parallel",
+           "helpers.parallel.pipeline_timeline"),
     "07": ("helpers.parallel.blockwise_attention", "helpers.parallel.context_parallel"),
     "08": ("helpers.parallel.moe", "helpers.parallel.expert_parallel"),
 }

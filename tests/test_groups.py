@@ -18,7 +18,7 @@ from helpers.model import GPT
 from helpers.parallel import expert_parallel, moe, tensor_parallel
 from helpers.reference import named_grads
 
-CFG = small_config(tie_embeddings=False)  # a pipeline refuses tied embeddings
+CFG = small_config(tie_embeddings=False)  # untied: no embedding group to make on top of the two groups
 MOE = moe.MoEConfig(**asdict(small_config(d_ff=32)), n_experts=4, top_k=2, capacity_factor=1.0)
 ROWS = 4
 RTOL = 1e-6
