@@ -295,19 +295,22 @@ def test_a_deadlocking_schedule_fails_on_the_ranks_without_a_hang(ranks):
         ranks.apply(_pipeline_step, CFG, bad, X, Y)
 
 
-def test_the_first_chunk_takes_the_positions_it_is_given(ranks):
-    # the second half of each sequence, at its own positions (as a context-parallel rank holds it)
-    half = CFG.seq_len // 2
-    x, y, positions = X[:, half:], Y[:, half:], torch.arange(half, CFG.seq_len)
-    reference = GPT(CFG, seed=0)
+def _matches_at_positions(ranks, cfg, positions, what):
+    """1F1B on two ranks over the tokens at ``positions``, given to the executor, against one process."""
+    x, y = X[:, positions], Y[:, positions]
+    reference = GPT(cfg, seed=0)
     loss = reference(x, y, positions=positions)[1]
     loss.backward()
     want = {n: p.grad for n, p in reference.named_parameters()}
-    s = pipeline_schedules.one_f_one_b(2, M)
-    results = ranks.apply(_pipeline_step, CFG, s, x, y, None, positions)
-    assert sum(results[1][0].values()) / M == pytest.approx(loss.item(), rel=1e-6)
+    results = ranks.apply(_pipeline_step, cfg, pipeline_schedules.one_f_one_b(2, M), x, y, None, positions)
+    assert sum(results[1][0].values()) / M == pytest.approx(loss.item(), rel=1e-6), f"{what}: loss"
     grads = {n: g for _, per_rank, _, _, _ in results for n, g in per_rank.items()}
-    assert_close_to_scale(grads, want, RTOL, "positions given to the first chunk, the two stages' gradients:")
+    assert_close_to_scale(grads, want, RTOL, f"{what}, the two stages' gradients:")
+
+
+def test_the_first_chunk_takes_the_positions_it_is_given(ranks):
+    # the second half of each sequence, at its own positions (as a context-parallel rank holds it)
+    _matches_at_positions(ranks, CFG, torch.arange(CFG.seq_len // 2, CFG.seq_len), "positions given")
 
 
 def _reference_grads(cfg, x, y):
@@ -364,13 +367,4 @@ def test_a_llama_style_gpt_on_two_ranks_matches_the_single_process(ranks):
     # only the gaps between positions, so a chunk left at the default 0 … t-1 would be caught by the gap
     q = cfg.seq_len // 4
     positions = torch.cat([torch.arange(q), torch.arange(cfg.seq_len - q, cfg.seq_len)])
-    x, y = X[:, positions], Y[:, positions]
-    reference = GPT(cfg, seed=0)
-    loss = reference(x, y, positions=positions)[1]
-    loss.backward()
-    want = {n: p.grad for n, p in reference.named_parameters()}
-    s = pipeline_schedules.one_f_one_b(2, M)
-    results = ranks.apply(_pipeline_step, cfg, s, x, y, None, positions)
-    assert sum(results[1][0].values()) / M == pytest.approx(loss.item(), rel=1e-6), "Llama-style GPT: loss"
-    grads = {n: g for _, per_rank, _, _, _ in results for n, g in per_rank.items()}
-    assert_close_to_scale(grads, want, RTOL, "Llama-style GPT, the two stages' gradients:")
+    _matches_at_positions(ranks, cfg, positions, "Llama-style GPT")
