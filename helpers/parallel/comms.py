@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from helpers.dist import collective_timeout
-from helpers.parallel.ledger import LEDGER, Message, _described, _group_ranks, _nbytes
+from helpers.parallel.ledger import LEDGER, Message, _described, _global, _group_ranks, _nbytes
 
 _FP8 = tuple(getattr(torch, name) for name in ("float8_e4m3fn", "float8_e5m2", "float8_e8m0fnu")
              if hasattr(torch, name))
@@ -177,10 +177,6 @@ def all_to_all(x: torch.Tensor, group=None, *, send_splits: list[int] | None = N
 def _count(t: torch.Tensor, direction: str, peer: int, group, label: str, phase: str, step: int) -> None:
     LEDGER.messages.append(Message(label, phase, step, direction, peer, _nbytes(t), **_described(t),
                                    group_ranks=_group_ranks(group)))
-
-
-def _global(rank: int, group) -> int:
-    return rank if group is None else dist.get_global_rank(group, rank)
 
 
 def send(x: torch.Tensor, dst: int, group=None, *, tag: int = 0, label: str = "p2p", phase: str = "p2p",
