@@ -27,6 +27,7 @@ from conftest import assert_close_to_scale, seeded_batch, small_config
 from helpers import measure
 from helpers.model import GPT, GPTConfig
 from helpers.parallel import pipeline_parallel, pipeline_schedules, pipeline_timeline
+from helpers.reference import named_grads
 
 CFG = small_config(n_layers=4, tie_embeddings=False)
 TIED = small_config(n_layers=4)  # the book's default: the LM head is the token embedding
@@ -256,7 +257,7 @@ def test_every_schedule_on_two_ranks_matches_the_single_process(ranks):
     reference = GPT(CFG, seed=0)
     loss = reference(X, Y)[1]
     loss.backward()
-    want = {n: p.grad for n, p in reference.named_parameters()}
+    want = named_grads(reference)
     activation_bytes = 1 * CFG.seq_len * CFG.d_model * 4
     per_layer = measure.saved_bytes_per_layer(CFG, 1, CFG.seq_len)
     for s in [pipeline_schedules.gpipe(2, M), pipeline_schedules.one_f_one_b(2, M),
@@ -301,7 +302,7 @@ def _matches_at_positions(ranks, cfg, positions, what):
     reference = GPT(cfg, seed=0)
     loss = reference(x, y, positions=positions)[1]
     loss.backward()
-    want = {n: p.grad for n, p in reference.named_parameters()}
+    want = named_grads(reference)
     results = ranks.apply(_pipeline_step, cfg, pipeline_schedules.one_f_one_b(2, M), x, y, None, positions)
     assert sum(results[1][0].values()) / M == pytest.approx(loss.item(), rel=1e-6), f"{what}: loss"
     grads = {n: g for _, per_rank, _, _, _ in results for n, g in per_rank.items()}
