@@ -99,9 +99,10 @@ class BucketTimeline:
         """Stamp bucket ``i``'s launch now, its completion from a callback on the collective's future; the
         result's ``wait()`` waits for that stamp too."""
         self.stamp("launch", i)
+        if not pending.works:  # nothing in flight: the ring ran to completion inside the call
+            self.stamp("done", i)
         stamps = [work.get_future().then(lambda _: self.stamp("done", i)) for work in pending.works]
-        # nothing in flight (the ring ran to completion inside the call): done now
-        return comms.Pending(stamps or [self.stamp("done", i)], pending.wait, pending.what)
+        return comms.Pending(stamps, pending.wait, pending.what)
 
 
 class OverlappedDDP:
