@@ -68,6 +68,11 @@ class Precision:
     optim_bytes: int    # Adam's two moments
     act_bytes: int      # one stored activation element
     fp8: bool = False   # matmuls in FP8 (inputs of linear layers stored in one byte)
+    gather_bytes: int | None = None  # per parameter in ZeRO-3's all-gathers (None: param_bytes)
+
+    def __post_init__(self):
+        if self.gather_bytes is None:  # the gathers carry the copy forward and backward read
+            object.__setattr__(self, "gather_bytes", self.param_bytes)
 
     @property
     def k(self) -> int:
@@ -79,6 +84,10 @@ FP32 = Precision("fp32", 4, 4, 0, 8, 4)
 BF16 = Precision("bf16, fp32 master weights", 2, 2, 4, 8, 2)
 BF16_FP32_GRADS = Precision("bf16, fp32 master weights and fp32 gradient accumulation", 2, 4, 4, 8, 2)
 FP8 = Precision("fp8 compute, bf16 weights, fp32 master weights", 2, 2, 4, 8, 2, fp8=True)
+# torchao's float8 FSDP: ZeRO-3 casts each bf16 shard to fp8 and all-gathers one byte per parameter (the
+# per-tensor scales, agreed by an all-reduce of the amax, are a few bytes a tensor: left out)
+FP8_GATHER = Precision("fp8 compute and fp8 parameter all-gathers, bf16 weights, fp32 master weights",
+                       2, 2, 4, 8, 2, fp8=True, gather_bytes=1)
 
 
 @dataclass(frozen=True)

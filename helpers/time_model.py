@@ -78,11 +78,15 @@ def data_parallel_traffic(n_params: int, dp: int, zero: int, m: int, precision, 
     reduce-scatter, then an all-gather of the updated parameters); sharded ones (ZeRO-2, ZeRO-3) keep only
     this rank's shard, so every micro-batch's gradient is reduce-scattered before the next overwrites the
     unsharded buffer; ZeRO-3 also gathers the parameters for every micro-batch's forward and again for its
-    backward. Each entry is a :class:`DPTransfer`: bytes and message steps per occurrence, occurrences per
-    step.
+    backward. ZeRO-3's gathers carry ``precision.gather_bytes`` per parameter (one byte when FP8 gathers cast
+    the shards first, as torchao's float8 FSDP does); ZeRO-1/2's gather of the updated parameters refreshes
+    the copy every rank keeps, so it carries ``param_bytes``; gradients are reduced in ``grad_bytes``. Each
+    entry is a :class:`DPTransfer`: bytes and message steps per occurrence, occurrences per step.
     """
     g, p = n_params * precision.grad_bytes, n_params * precision.param_bytes
     rs, ag, n = ring_all_gather_bytes(g, dp), ring_all_gather_bytes(p, dp), dp - 1
+    if zero == 3:
+        ag = ring_all_gather_bytes(n_params * precision.gather_bytes, dp)
     if zero == 0:
         plan = [(ring_all_reduce_bytes(g, dp), 2 * n, 1, "backward")]
     elif zero == 1:

@@ -118,6 +118,25 @@ def test_zero2_reduce_scatters_every_micro_batch():
         assert b.messages["dp"] == (m + 1) * 7
 
 
+def test_fp8_parameter_gathers_send_one_byte_per_parameter():
+    """ZeRO-3 with FP8 gathers (torchao's float8 FSDP), by hand: per micro-batch a forward and a backward
+    all-gather of 1 byte per parameter and a bf16 reduce-scatter, each 7/8 of the buffer on 8 ranks:
+    7/8 * n * (1 + 1 + 2) against bf16's 7/8 * n * (2 + 2 + 2). ZeRO-1's gather keeps param_bytes."""
+    n, m = model_size.count_params(LLAMA3_8B).total, 4
+    batch = Batch(4096, 1, 8 * m)
+    assert memory_budget.BF16.gather_bytes == 2 and memory_budget.FP8_GATHER.gather_bytes == 1
+    fp8 = budget(LLAMA3_8B, batch, Layout(dp=8, zero=3), memory_budget.FP8_GATHER)
+    bf16 = budget(LLAMA3_8B, batch, Layout(dp=8, zero=3), memory_budget.BF16)
+    assert fp8.sent["dp"] == pytest.approx(m * 7 / 8 * n * (1 + 1 + 2), rel=1e-12)
+    assert bf16.sent["dp"] == pytest.approx(m * 7 / 8 * n * (2 + 2 + 2), rel=1e-12)
+    assert fp8.messages["dp"] == bf16.messages["dp"] == m * 3 * 7
+    assert [x.nbytes for x in fp8.dp_transfers] == pytest.approx([7 / 8 * n, 7 / 8 * n * 3], rel=1e-12)
+    assert fp8.param_bytes == bf16.param_bytes  # the shard a rank keeps stays in bf16
+    zero1 = [budget(LLAMA3_8B, batch, Layout(dp=8, zero=1), p).sent["dp"]
+             for p in (memory_budget.FP8_GATHER, memory_budget.BF16)]
+    assert zero1[0] == zero1[1]
+
+
 def test_sequence_parallel_sends_the_backward_regathers_too():
     """SP's all-gathers and reduce-scatters carry what TP's all-reduces carry, plus two re-gathers per layer
     in backward and one for the LM head's input: 25 % more (chapter 05 books them on the real run)."""
