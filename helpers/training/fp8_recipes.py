@@ -168,3 +168,21 @@ def quantize_nvfp4(x: torch.Tensor, block: int = NVFP4_BLOCK):
 def dequantize_nvfp4(q: torch.Tensor, block_scale: torch.Tensor, tensor_scale: torch.Tensor) -> torch.Tensor:
     """fp32 ``q * block_scale * tensor_scale``."""
     return q * expand_blocks(block_scale.float(), q.shape) * tensor_scale
+
+
+def simulate(x: torch.Tensor, fmt: number_formats.Format, block: tuple[int, int]) -> torch.Tensor:
+    """Quantize and dequantize on the grid of any format (fp4 included), one fp32 scale per ``block``."""
+    scale = expand_blocks(fmt.max / block_amax(x, block).clamp(min=AMAX_FLOOR), x.shape)
+    return number_formats.round_to_format(x.float() * scale, fmt) / scale
+
+
+def half_ulp_excess(y: torch.Tensor, q: torch.Tensor, fmt: number_formats.Format) -> torch.Tensor:
+    """How far each quantized value ``q`` lies beyond half an ulp of ``fmt`` from the scaled value ``y``.
+
+    All zeros when every cast rounded to a nearest value: ``|y - q| <= ulp(y) / 2`` with the ulp of ``y``'s
+    binade (:meth:`Format.ulp`); a ``y`` past the format's largest value must give exactly ``±max``.
+    """
+    y, q = y.double(), q.double()
+    inside = ((y - q).abs() - fmt.ulp(y) / 2).clamp(min=0)
+    saturated = (q - y.sign() * fmt.max).abs()
+    return torch.where(y.abs() <= fmt.max, inside, saturated)
