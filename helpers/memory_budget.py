@@ -260,9 +260,9 @@ def model_state_bytes(n_params: int, dp: int, zero: int, precision: Precision) -
 
 def budget(model: ModelShape, batch: Batch, layout: Layout, precision: Precision = BF16,
            act: ActivationModel = ActivationModel(), world_size: int | None = None,
-           stage: int | None = None) -> Budget:
+           stage: int | None = None, traffic: bool = True) -> Budget:
     """The budget of one rank of pipeline stage ``stage``; by default of the stage that needs the most
-    memory."""
+    memory. ``traffic=False`` leaves out what it sends (a layout search asks first whether a layout fits)."""
     validate(model, batch, layout, world_size)
     L, P = layout, precision
     m = batch.global_batch // (L.dp * batch.micro_batch)
@@ -289,5 +289,6 @@ def budget(model: ModelShape, batch: Batch, layout: Layout, precision: Precision
     _, dense, expert, (params, grads, optim), acts = worst
     b = Budget(model, batch, L, P, act, dense + expert, params, grads, optim, acts, m,
                step_flops(model, batch, act.recompute))
-    b.sent, b.messages, b.dp_transfers = time_model.traffic(model, batch, L, P, act, dense, expert, m)
+    if traffic:
+        b.sent, b.messages, b.dp_transfers = time_model.traffic(model, batch, L, P, act, dense, expert, m)
     return b
