@@ -31,7 +31,7 @@ def test_fp32_scaled_recipes_round_to_nearest(x, quantize, dtype):
     assert half_ulp_excess(y, q.float(), fp8_recipes.FP8_FORMATS[dtype]).max() == 0
     x_hat = fp8_recipes.dequantize(q, scale)
     bound = fp8_recipes.FP8_FORMATS[dtype].ulp(y) / 2 / expand_blocks(scale, x.shape)  # in units of x
-    # in fp32, x * scale and q / scale round once each (2^-24 of |x| each, together at most 2^-18 of a half ulp)
+    # in fp32, x * scale and q / scale round once each: 2^-24 of |x| each, at most 2^-18 of a half ulp
     assert ((x_hat - x).abs() <= bound * (1 + 2 ** -16)).all()
 
 
@@ -96,3 +96,10 @@ def test_a_block_that_does_not_divide_names_both_numbers(x):
 def test_an_unsupported_dtype_names_the_supported_ones(x, dtype):
     with pytest.raises(ValueError, match="torch.float8_e4m3fn, torch.float8_e5m2"):
         fp8_recipes.quantize_tensorwise(x, dtype)
+
+
+def test_a_too_small_agreed_amax_saturates_instead_of_overflowing():
+    x = torch.tensor([[0.5, 2.0, 500.0, -3000.0]])
+    q, scale = fp8_recipes.quantize_tensorwise(x, E5M2, amax=1.0)
+    assert (x * scale).to(E5M2).float().isinf().any()  # what the cast alone would give
+    assert q.float().tolist() == [[28672.0, 57344.0, 57344.0, -57344.0]]
