@@ -1,15 +1,17 @@
 """Tensor, pipeline and context parallelism applied to one GPT at once, on 8 ranks, against one process.
 
-The 8 ranks form a 2 x 2 x 2 grid in torchtitan's order, ``(pp, cp, tp)`` with tensor parallelism innermost,
-and each dimension's groups are the grid's rows along it. Every rank takes the one reference GPT and applies
-the three transformations of chapters 05-07 to it: keep its pipeline stage's blocks, swap in the
-tensor-parallel layers, set the attention core (ring or Ulysses) and give the first stage its tokens'
-positions. One 1F1B step on two micro-batches then runs through chapter 06's executor. Compared with the
-single process, in fp64 (the grid reorders sums three ways; fp64 keeps the comparison tight): each
-micro-batch's loss on the last stage, averaged over the CP ranks, within 1e-12 relative, and every gradient,
-averaged over CP and put together from the TP shards of each stage, within 1e-10 of its tensor's largest
-entry. Tensor and context parallelism are applied in both orders; cutting a pipeline chunk from a model
-already tensor-parallel is refused with the order to follow.
+The 8 ranks form a 2 x 2 x 2 mesh in torchtitan's order, ``(pp, cp, tp)`` with tensor parallelism innermost,
+and each dimension's groups are the grid's rows along it (chapter 10's ``helpers.parallel.mesh.Mesh``). Every
+rank takes the one reference GPT and applies the three transformations of chapters 05-07 to it: keep its
+pipeline stage's blocks, swap in the tensor-parallel layers, set the attention core (ring or Ulysses) and give
+the first stage its tokens' positions. One 1F1B step on two micro-batches then runs through chapter 06's
+executor. Compared with the single process, in fp64 (the grid reorders sums three ways; fp64 keeps the
+comparison tight): each micro-batch's loss on the last stage, averaged over the CP ranks, within 1e-12
+relative, and every gradient, averaged over CP and put together from the TP shards of each stage, within 1e-10
+of its tensor's largest entry. Tensor and context parallelism are applied in both orders; cutting a pipeline
+chunk from a model already tensor-parallel is refused with the order to follow. Chapter 10's composition
+(``helpers.parallel.composition.train``) on ``(pp, dp_shard, tp)``, ZeRO-1 with sequence parallelism, matches
+one process's losses and parameters after two AdamW steps (fp64, the same tolerances).
 """
 
 import ipyparallel as ipp
@@ -36,21 +38,15 @@ def eight():
 
 @ipp.interactive  # sent by value: the engines cannot import this test module
 def _composed(cfg, x, y, m, attention, kind, sequence_parallel, tp_first):
-    import torch
     import torch.distributed as dist
 
     from helpers.model import GPT
     from helpers.parallel import context_parallel, pipeline_parallel, pipeline_schedules, tensor_parallel
+    from helpers.parallel.mesh import Mesh
     from helpers.reference import named_grads
 
-    grid = torch.arange(dist.get_world_size()).reshape(2, 2, 2)  # (pp, cp, tp)
-
-    def my_group(dim):
-        rows = grid.movedim(dim, -1).reshape(-1, grid.shape[dim]).tolist()
-        made = [dist.new_group(row) for row in rows]  # every rank makes every group, in one order
-        return next(g for row, g in zip(rows, made) if dist.get_rank() in row)
-
-    pp_group, cp_group, tp_group = my_group(0), my_group(1), my_group(2)
+    mesh = Mesh((2, 2, 2), ("pp", "cp", "tp")).make_groups(("pp", "cp", "tp"))  # chapter 10's mesh
+    pp_group, cp_group, tp_group = mesh.group("pp"), mesh.group("cp"), mesh.group("tp")
     stage = dist.get_rank(pp_group)
     layout = context_parallel.CPLayout(cfg.seq_len, dist.get_world_size(cp_group), kind)
     chunk = pipeline_parallel.pipeline_chunk(GPT(cfg, seed=0).double(), stage, 2)
@@ -109,3 +105,34 @@ def test_tp_pp_and_cp_on_one_gpt_match_one_process(eight, attention, kind, seque
             else:  # the CP ranks' averaged gradients agree
                 assert_close_to_scale(whole, {n: grads[n] for n in whole}, 1e-12, f"stage {stage}, cp 1:")
     assert_close_to_scale(grads, want, 1e-10, f"{attention}, {kind}, sp={sequence_parallel}, gradients:")
+
+
+@ipp.interactive
+def _trained(cfg, data, lr):
+    from helpers.model import GPT
+    from helpers.parallel import composition
+    from helpers.parallel.mesh import Mesh
+
+    mesh = Mesh((2, 2, 2), ("pp", "dp_shard", "tp")).make_groups()
+    plan = composition.Plan(zero=1, sequence_parallel=True)
+    return composition.train(GPT(cfg, seed=0).double(), mesh, plan, data, lr)
+
+
+def test_composition_train_on_pp_dp_tp_with_zero1_and_sp_matches_one_process(eight):
+    from helpers.parallel import composition
+    from helpers.reference import named_params, train_steps
+
+    cfg = small_config(n_heads=8, n_kv_heads=4)  # tied embeddings: the pipeline's embedding group too
+    data = [seeded_batch(cfg, 8, seed=s) for s in range(2)]
+    reference = GPT(cfg, seed=0).double()
+    losses = train_steps(reference, data, lr=1e-2)
+    results = eight.apply(_trained, cfg, data, 1e-2)
+    last = [r for r in results if r["losses"][0] is not None]
+    assert len(last) == 4  # stage 1: dp 2 x tp 2
+    for step, want in enumerate(losses):
+        got = sum(r["losses"][step] for r in last) / len(last)
+        assert got == pytest.approx(want, rel=1e-12), f"step {step}"
+    params, others = composition.assemble(results, cfg, "params")
+    assert_close_to_scale(params, named_params(reference), 1e-10, "parameters after 2 AdamW steps:")
+    assert len(others) == 1
+    assert_close_to_scale(others[0], {n: params[n] for n in others[0]}, 1e-12, "the other dp replica:")

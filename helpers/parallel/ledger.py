@@ -19,6 +19,7 @@ counted=True)`` adds up counted messages only. What each collective costs in tim
     LEDGER.record("all_reduce", grads)                 # book a torch collective a chapter called
     LEDGER.booked("all_reduce")[0].numel               # what the booking proves: the buffer it was given
     sent, received = LEDGER.totals("ring_all_reduce", counted=True)  # bytes the book's ring really moved
+    LEDGER.by_group()                                  # {global ranks of a group: (sent, received)}
 """
 
 from __future__ import annotations
@@ -156,6 +157,19 @@ class Ledger:
         sent = sum(m.nbytes for m in self.messages if kept(m, "send"))
         received = sum(m.nbytes for m in self.messages if kept(m, "recv"))
         return sent, received
+
+    def by_group(self, *, counted: bool | None = None) -> dict[tuple[int, ...], tuple[int, int]]:
+        """Bytes this rank sent and received over each process group, keyed by the group's global ranks
+        (sorted), over every collective: which group a message ran on is how chapter 10 splits the traffic
+        by mesh dimension. ``counted`` as in :meth:`totals`."""
+        out: dict[tuple[int, ...], tuple[int, int]] = {}
+        for m in self.messages:
+            if counted in (None, m.counted) and m.group_ranks is not None:
+                key = tuple(sorted(m.group_ranks))
+                sent, received = out.get(key, (0, 0))
+                sending = m.direction == "send"
+                out[key] = (sent + m.nbytes * sending, received + m.nbytes * (not sending))
+        return out
 
     def booked(self, collective: str | None = None) -> list[Message]:
         """The torch collectives booked by :meth:`record` (one entry per call, in call order)."""

@@ -1,0 +1,220 @@
+"""Chapters 03-08 composed on one device mesh (chapter 10): the glue, and nothing but the glue.
+
+Every parallelism here is the chapter's own module, imported: :func:`apply` transforms the one reference GPT
+in the book's order (``pipeline_parallel.pipeline_chunk``, then ``tensor_parallel.parallelize`` and
+``context_parallel.parallelize``, then ``expert_parallel.parallelize`` on a MoE GPT), each given its group
+from the :class:`helpers.parallel.mesh.Mesh`. :func:`forward_backward` takes a global batch, keeps this rank's
+rows (its place along ``dp``) and columns (its context-parallel positions), runs chapter 06's executor on a
+1F1B schedule (or one forward and backward without pipeline), and :func:`reduce_gradients` sums or averages
+each gradient over the group that holds the other parts of it:
+
+- over ``tp``: the sequence-parallel norms' partial gradients and replicated KV heads' copies (chapter 05);
+- over the pipeline's embedding group: a tied embedding's two copies (chapter 06, inside ``run_schedule``);
+- over the data-parallel group ``dp_shard_cp`` (data and context parallelism together, as torchtitan's FSDP
+  shards over ``dp_shard × cp``): DDP's bucketed all-reduce (chapter 03), or ZeRO-1's reduce-scatter inside
+  :func:`optimizer` (chapter 04); with experts, chapter 08's ``finish_gradients`` over the expert-parallel
+  group, which is folded onto those same ranks.
+
+:func:`state` is what a rank hands back for the checks, :func:`assemble` puts the ranks' tensors back under
+the reference's names, and :func:`traffic_by_dimension` splits the ledger's bytes by the mesh dimension of the
+group each collective ran on.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from helpers.data import rank_rows
+from helpers.parallel import (context_parallel, data_parallel, expert_parallel, pipeline_parallel,
+                              pipeline_schedules, tensor_parallel, zero)
+from helpers.parallel.ledger import LEDGER
+from helpers.parallel.mesh import Mesh
+from helpers.parallel.moe import MoEGPT
+from helpers.reference import named_grads, named_params, train_steps
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How the chapters' modules are composed on a mesh, beyond its shape."""
+
+    m: int = 2                        # micro-batches per step, through the pipeline
+    sequence_parallel: bool = False   # chapter 05's SP inside the tensor-parallel group
+    attention: str = "ring"           # chapter 07's core: "ring" or "ulysses"
+    cp_layout: str = "zigzag"         # "zigzag" or "contiguous"
+    zero: int = 0                     # 0: DDP's bucketed all-reduce (chapter 03); 1: ZeRO-1 (chapter 04)
+    dp_dim: str = "dp_shard_cp"       # the group that averages the gradients (torchtitan's FSDP group)
+    cap_bytes: int = 1 << 16          # DDP's bucket size
+
+
+def _rank(mesh: Mesh, name: str) -> int:
+    return dist.get_rank(mesh.group(name)) if mesh.size(name) > 1 else 0
+
+
+def layout(cfg, mesh: Mesh, plan: Plan) -> context_parallel.CPLayout:
+    """Chapter 07's layout of the sequence over the ``cp`` ranks."""
+    return context_parallel.CPLayout(cfg.seq_len, mesh.size("cp"), plan.cp_layout)
+
+
+def apply(model, mesh: Mesh, plan: Plan):
+    """This rank's part of ``model``: its pipeline stage's chunk (a copy), made tensor-, context- and
+    expert-parallel in place, in the order of book/conventions.md."""
+    chunk = model
+    if mesh.size("pp") > 1:
+        chunk = pipeline_parallel.pipeline_chunk(model, _rank(mesh, "pp"), mesh.size("pp"))
+    if mesh.size("tp") > 1:
+        tensor_parallel.parallelize(chunk, mesh.group("tp"), plan.sequence_parallel)
+    if mesh.size("cp") > 1:
+        context_parallel.parallelize(chunk, layout(model.cfg, mesh, plan), mesh.group("cp"), plan.attention)
+    if isinstance(model, MoEGPT):
+        expert_parallel.parallelize(chunk, mesh.group(plan.dp_dim))
+    return chunk
+
+
+def my_batch(x: torch.Tensor, y: torch.Tensor, cfg, mesh: Mesh, plan: Plan):
+    """This rank's rows (its index along ``dp``) and columns (its ``cp`` positions) of a global batch, and
+    those positions (``None`` without context parallelism)."""
+    dp = mesh.size("dp")
+    xs, ys = rank_rows(x, _rank(mesh, "dp"), dp), rank_rows(y, _rank(mesh, "dp"), dp)
+    if mesh.size("cp") == 1:
+        return xs, ys, None
+    return context_parallel.shard_sequence(xs, ys, layout(cfg, mesh, plan), mesh.group("cp"))
+
+
+def forward_backward(chunk, mesh: Mesh, plan: Plan, x: torch.Tensor, y: torch.Tensor):
+    """One step's gradients on this rank, reduced over every group that shares them; the loss of this rank's
+    tokens (the mean over its micro-batches; ``None`` on a pipeline stage before the last)."""
+    cfg = chunk.cfg
+    xs, ys, positions = my_batch(x, y, cfg, mesh, plan)
+    if mesh.size("pp") == 1:
+        loss = chunk(xs, ys, positions=positions)[1]
+        loss.backward()
+    else:
+        pp_group, stage = mesh.group("pp"), _rank(mesh, "pp")
+        s = pipeline_schedules.one_f_one_b(mesh.size("pp"), plan.m)
+        tokens = xs.shape[1] // (mesh.size("tp") if plan.sequence_parallel else 1)
+        tied = pipeline_parallel.embedding_group(s.placement, pp_group) if cfg.tie_embeddings else None
+        losses, _ = pipeline_parallel.run_schedule(
+            s, {stage: chunk}, xs, ys, group=pp_group, positions=positions, embedding_group=tied,
+            activation_shape=(xs.shape[0] // plan.m, tokens, cfg.d_model))
+        loss = torch.stack(list(losses.values())).mean() if losses else None
+    reduce_gradients(chunk, mesh, plan)
+    return loss
+
+
+def reduce_gradients(chunk, mesh: Mesh, plan: Plan) -> None:
+    """The reductions a composition needs after backward: over ``tp`` what tensor parallelism holds twice,
+    then over the data-parallel group (DDP or, for ZeRO-1, nothing here: its optimizer reduce-scatters)."""
+    if mesh.size("tp") > 1:
+        if plan.sequence_parallel:
+            tensor_parallel.allreduce_sequence_parallel_grads(chunk, mesh.group("tp"))
+        tensor_parallel.allreduce_replicated_kv_grads(chunk, mesh.group("tp"))
+    if mesh.size(plan.dp_dim) == 1:
+        return
+    if isinstance(chunk, MoEGPT):  # experts' gradients already summed by the all-to-all's backward
+        expert_parallel.finish_gradients(chunk, mesh.group(plan.dp_dim))
+    elif plan.zero == 0:
+        buckets = data_parallel.build_buckets(list(chunk.parameters()), plan.cap_bytes)
+        data_parallel.bucketed_average(buckets, mesh.group(plan.dp_dim))
+
+
+def optimizer(chunk, mesh: Mesh, plan: Plan, lr: float):
+    """AdamW on this rank's parameters; with ``plan.zero == 1`` chapter 04's ZeRO-1 over the data-parallel
+    group (it reduce-scatters the gradients, steps its rows, all-gathers the parameters)."""
+    if plan.zero == 1 and mesh.size(plan.dp_dim) > 1:
+        return zero.ShardedAdamW(chunk, 1, mesh.group(plan.dp_dim), lr=lr)
+    return torch.optim.AdamW(chunk.parameters(), lr=lr)
+
+
+def train(model, mesh: Mesh, plan: Plan, data, lr: float) -> dict:
+    """This rank's part of ``model``, trained with AdamW on the global batches ``data`` (one step each) by the
+    book's loop. Kept for the checks: the first step's gradients (before ZeRO-1's own reduction), that step's
+    traffic by mesh dimension (the ledger cleared before it), every step's loss and the parameters after."""
+    chunk = apply(model, mesh, plan)
+    opt = optimizer(chunk, mesh, plan, lr)
+
+    def step(xs, ys):
+        return forward_backward(chunk, mesh, plan, xs, ys)
+    LEDGER.clear()
+    first = step(*data[0])
+    out = state(chunk, mesh)
+    opt.step()
+    opt.zero_grad()
+    out["traffic"], out["messages"] = traffic_by_dimension(mesh), messages_by_dimension(mesh)
+    rest = train_steps(None, data[1:], step=step, optimizer=opt)
+    out["losses"] = [None if first is None else float(first.detach())] + rest
+    out["params"] = named_params(chunk)
+    return out
+
+
+def state(chunk, mesh: Mesh, grads: bool = True) -> dict:
+    """What a rank hands back for the checks: where it sits, its parameters and (if any) gradients."""
+    where = mesh.coordinates(dist.get_rank())
+    out = {"where": {name: where.get(name, 0) for name in ("pp", "dp_replicate", "dp_shard", "cp", "tp")},
+           "params": named_params(chunk)}
+    if grads:
+        out["grads"] = named_grads(chunk)
+    return out
+
+
+def assemble(results: list[dict], cfg, key: str) -> tuple[dict, list[dict]]:
+    """The reference's tensors (``key``: "params" or "grads") put together from every rank's :func:`state`:
+    each stage's TP shards joined (chapter 05's ``unshard_state``) and its experts concatenated over the
+    expert-parallel ranks (chapter 08's ``unshard_experts``). Returns the whole from the first data-parallel
+    replica and, for the checks that they agree, the same from every other one (keys present on that
+    replica)."""
+    def replica(r):
+        return r["where"]["dp_replicate"], r["where"]["dp_shard"], r["where"]["cp"]
+
+    moe = hasattr(cfg, "n_experts")
+    wholes = {}
+    for stage in sorted({r["where"]["pp"] for r in results}):
+        mine = [r for r in results if r["where"]["pp"] == stage]
+        for rep in sorted({replica(r) for r in mine}):
+            shards = sorted((r for r in mine if replica(r) == rep), key=lambda r: r["where"]["tp"])
+            tensors = [r[key] for r in shards]
+            part = tensor_parallel.unshard_state(tensors, cfg) if len(tensors) > 1 else dict(tensors[0])
+            if moe:  # every replica holds other experts: the whole is over the replicas, in their order
+                part = {n: t for n, t in part.items() if not expert_parallel.is_expert(n)}
+                experts = expert_parallel.unshard_experts([r[key] for r in sorted(mine, key=replica)])
+                part.update({n: t for n, t in experts.items() if expert_parallel.is_expert(n)})
+            wholes.setdefault(rep, {}).update(part)
+    first, *others = [wholes[rep] for rep in sorted(wholes)]
+    return first, others
+
+
+def traffic_by_dimension(mesh: Mesh, ledger=LEDGER) -> dict[str, int]:
+    """Bytes this rank sent in the ledger's messages, by the mesh dimension of the group each ran on
+    (:meth:`helpers.parallel.mesh.Mesh.dimension_of`; a group of one rank sends nothing). Expert
+    parallelism's all-to-alls (chapter 08's ``moe_`` labels) run on the data-parallel ranks it is folded onto:
+    they count as ``ep``."""
+    out: dict[str, int] = {}
+    for ranks, (sent, _) in ledger.by_group().items():
+        if len(ranks) > 1:
+            name = mesh.dimension_of(ranks) or "other"
+            out[name] = out.get(name, 0) + sent
+    moe = sum(m.nbytes for m in ledger.messages if m.direction == "send" and m.collective.startswith("moe_"))
+    if moe:
+        folded = mesh.dimension_of(next(m.group_ranks for m in ledger.messages
+                                        if m.collective.startswith("moe_")))
+        out[folded] -= moe
+        out["ep"] = moe
+    return out
+
+
+def messages_by_dimension(mesh: Mesh, ledger=LEDGER) -> dict[tuple[str, str, int], tuple[int, int]]:
+    """What :func:`traffic_by_dimension` adds up, one entry per (dimension, collective, elements of the
+    buffer): how many such calls or messages this rank sent, and their bytes."""
+    out: dict = {}
+    for m in ledger.messages:
+        if m.direction == "send" and m.group_ranks is not None and len(m.group_ranks) > 1:
+            dim = "ep" if m.collective.startswith("moe_") else mesh.dimension_of(m.group_ranks) or "other"
+            count, sent = out.get((dim, m.collective, m.numel), (0, 0))
+            out[(dim, m.collective, m.numel)] = (count + 1, sent + m.nbytes)
+    return out
+
+
+__all__ = ["Plan", "layout", "apply", "my_batch", "forward_backward", "reduce_gradients", "optimizer",
+           "train", "state", "messages_by_dimension", "assemble", "traffic_by_dimension"]
