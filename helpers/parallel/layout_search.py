@@ -8,7 +8,7 @@ must meet are chapter 01's too (:mod:`helpers.layout_rules`): they prune the gri
 
 What is searched: the degrees ``dp``, ``tp``, ``pp``, ``cp``, ``ep`` (each a divisor of the world size, ``tp``
 within a node), sequence parallelism, ``vpp``, the ZeRO stage, the micro-batch size (hence the micro-batch
-count) and the recomputation. Two prunings, both exact under the calculator:
+count) and the recomputation. Three prunings, all exact under the calculator:
 
 - a structure (its five degrees) whose most frugal variant (micro-batch 1, no interleaving, SP on, ZeRO-3,
   full recomputation) does not fit has no variant that fits: each of those choices only lowers memory;
