@@ -1,0 +1,219 @@
+"""Mixed-precision training: bf16 with fp32 master weights, and dynamic loss scaling for fp16 (chapter 09).
+
+- :class:`MasterWeightsAdamW` is the mixed-precision optimizer of Megatron-LM (Micikevicius et al. 2018): the
+  model's parameters are bf16 (what forward and backward read), the optimizer keeps an fp32 master copy of
+  each and AdamW's two fp32 moments, and writes the updated master back into the bf16 parameter (a rounding).
+  With ``fp32_grads=True`` every bf16 gradient backward produces is added into an fp32 buffer (Megatron's
+  ``main_grad``, its ``--accumulate-allreduce-grads-in-fp32``) and freed at once; with ``False`` the gradients
+  stay bf16 until the step. :func:`accumulated_step` runs one step of micro-batches and, data-parallel,
+  sums the gradients over the group on the wire in ``wire_dtype`` (:mod:`helpers.parallel.comms`: bf16
+  casts, reduces in bf16, casts back): gradient accumulation and the data-parallel reduction are one sum,
+  once over micro-batches, once over ranks.
+- :class:`LossScaler` is dynamic loss scaling from scratch, with the rules and defaults of
+  ``torch.amp.GradScaler``: multiply the loss by the scale, unscale the gradients (by the fp32 reciprocal of
+  the scale), skip the step if any gradient is inf or NaN and halve the scale, double it after
+  ``growth_interval`` steps in a row without one. Data-parallel, it all-reduces the found-inf flag (MAX)
+  over the group, so that ranks that each hold a shard of the gradients skip the same steps
+  (:func:`sharded_fp16_step`, with ZeRO-2's flat gradient partition); PyTorch's ``ShardedGradScaler`` for
+  FSDP all-reduces the flags as a sum, which skips on the same steps.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from helpers.parallel import comms, zero
+
+# --------------------------------------------------------------------------------------------- bf16
+
+
+class MasterWeightsAdamW:
+    """AdamW on fp32 master copies of a bf16 model's parameters (Megatron-LM's mixed-precision optimizer).
+
+    ``model`` must already be bf16. ``fp32_grads``: accumulate the gradients in one contiguous fp32 buffer,
+    ``main_grad``, of which each master's ``.grad`` is a view (the bf16 gradients backward produces are added
+    in and freed as they arrive), so that a data-parallel reduction is one collective on one buffer, as in
+    Megatron-LM; otherwise they accumulate in bf16, in the parameters' own ``.grad``.
+    """
+
+    def __init__(self, model: torch.nn.Module, *, fp32_grads: bool = True, **adamw):
+        self.params = list(model.parameters())
+        wrong = sorted({str(p.dtype) for p in self.params if p.dtype != torch.bfloat16})
+        if wrong:
+            raise ValueError(f"MasterWeightsAdamW needs a bf16 model (model.to(torch.bfloat16)); it has "
+                             f"{wrong}")
+        self.fp32_grads = fp32_grads
+        self.masters = [torch.nn.Parameter(p.detach().float()) for p in self.params]
+        self.optimizer = torch.optim.AdamW(self.masters, **adamw)
+        self.main_grad = None
+        if fp32_grads:
+            self.main_grad = torch.zeros(sum(p.numel() for p in self.params))
+            offset = 0
+            for p, master in zip(self.params, self.masters):
+                master.grad = self.main_grad[offset:offset + p.numel()].view(p.shape)
+                offset += p.numel()
+                p.register_post_accumulate_grad_hook(lambda p, master=master: self._accumulate(p, master))
+
+    @staticmethod
+    def _accumulate(p: torch.nn.Parameter, master: torch.nn.Parameter) -> None:
+        """Megatron's main_grad: the bf16 gradient added into its fp32 slice of the buffer, then freed."""
+        master.grad += p.grad
+        p.grad = None
+
+    def buffers(self) -> list[torch.Tensor]:
+        """What a data-parallel reduction reduces: the fp32 buffer, or every parameter's bf16 ``.grad``."""
+        return [self.main_grad] if self.fp32_grads else [p.grad for p in self.params]
+
+    def grads(self) -> list[torch.Tensor]:
+        """Each parameter's gradient as it is held: its view of the fp32 buffer, or its bf16 ``.grad``."""
+        return [m.grad for m in self.masters] if self.fp32_grads else [p.grad for p in self.params]
+
+    def step(self) -> None:
+        if not self.fp32_grads:
+            for p, master in zip(self.params, self.masters):
+                master.grad = p.grad.float()
+        self.optimizer.step()
+        with torch.no_grad():
+            for p, master in zip(self.params, self.masters):
+                p.copy_(master)  # round to bf16: the copy the next forward reads
+
+    def zero_grad(self) -> None:
+        for p in self.params:
+            p.grad = None
+        if self.fp32_grads:
+            self.main_grad.zero_()  # kept: the views stay the masters' gradients
+        else:
+            for master in self.masters:
+                master.grad = None
+
+
+def accumulated_step(model: torch.nn.Module, optimizer: MasterWeightsAdamW, micro_batches, *,
+                     data_parallel: bool = False, group=None, wire_dtype=None) -> tuple[float, list]:
+    """One step under bf16 autocast: forward and backward of every micro-batch (each loss divided by their
+    number and, ``data_parallel``, by the group's size), the gradients summed over ``group`` on the wire in
+    ``wire_dtype`` (``data_parallel`` only), then the update. Returns this rank's mean loss and a copy of the
+    gradients the update used."""
+    world_size = dist.get_world_size(group) if data_parallel else 1
+    total = 0.0
+    for x, y in micro_batches:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            _, loss = model(x, y)
+        (loss / (len(micro_batches) * world_size)).backward()
+        total += float(loss.detach()) / len(micro_batches)
+    if data_parallel:
+        for buffer in optimizer.buffers():  # the gradients of loss / world_size: their sum is the average
+            comms.all_reduce(buffer, group, wire_dtype=wire_dtype)
+    used = [g.detach().float().clone() for g in optimizer.grads()]
+    optimizer.step()
+    optimizer.zero_grad()
+    return total, used
+
+
+# --------------------------------------------------------------------------------------------- fp16
+
+
+class LossScaler:
+    """Dynamic loss scaling with ``torch.amp.GradScaler``'s rules and defaults, from scratch.
+
+    ``scale`` is an fp32 tensor, ``growth_tracker`` the good steps since the scale last changed. With
+    ``data_parallel``, the found-inf flag of :meth:`unscale_` is all-reduced with MAX over ``group``: every
+    rank then skips the same steps, whichever rank's shard of the gradients overflowed.
+    """
+
+    def __init__(self, init_scale: float = 2.0 ** 16, growth_factor: float = 2.0, backoff_factor: float = 0.5,
+                 growth_interval: int = 2000, *, data_parallel: bool = False, group=None):
+        self.scale = torch.tensor(init_scale, dtype=torch.float32)
+        self.growth_factor, self.backoff_factor = growth_factor, backoff_factor
+        self.growth_interval, self.data_parallel, self.group = growth_interval, data_parallel, group
+        self.growth_tracker = 0
+        self.found_inf: torch.Tensor | None = None  # set by unscale_, cleared by update
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        return loss * self.scale
+
+    def unscale_(self, grads: list[torch.Tensor]) -> torch.Tensor:
+        """Divide the gradients by the scale, in place (times the fp32 reciprocal, as GradScaler does), once
+        per step; return the found-inf flag (1.0 if any gradient of any rank of the group is inf or NaN)."""
+        if self.found_inf is not None:
+            raise RuntimeError("unscale_ was already called this step: a second call would divide by the "
+                               "scale twice")
+        inv_scale = self.scale.double().reciprocal().float()
+        found = torch.zeros((), dtype=torch.float32)
+        for g in grads:
+            if g is not None:
+                found = torch.maximum(found, (~torch.isfinite(g)).any().float())
+                g.mul_(inv_scale)
+        if self.data_parallel:
+            comms.all_reduce(found, self.group, op="max")  # one rank's overflow is every rank's skip
+        self.found_inf = found
+        return found
+
+    def step(self, optimizer: torch.optim.Optimizer, grads: list[torch.Tensor]) -> bool:
+        """Unscale (if not done yet) and step the optimizer unless a gradient overflowed; whether it
+        stepped."""
+        found = self.found_inf if self.found_inf is not None else self.unscale_(grads)
+        if found.item():
+            return False
+        optimizer.step()
+        return True
+
+    def update(self) -> None:
+        """Back off after an overflow; grow after ``growth_interval`` good steps in a row (if finite)."""
+        if self.found_inf is None:
+            raise RuntimeError("update() before unscale_() or step(): there is no found-inf flag this step")
+        if self.found_inf.item():
+            self.scale = self.scale * self.backoff_factor
+            self.growth_tracker = 0
+        else:
+            self.growth_tracker += 1
+            if self.growth_tracker == self.growth_interval:
+                grown = self.scale * self.growth_factor
+                if torch.isfinite(grown):
+                    self.scale = grown
+                self.growth_tracker = 0
+        self.found_inf = None
+
+
+def fp16_loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """The loss with every matmul in fp16 (CPU autocast), the parameters fp32."""
+    with torch.autocast("cpu", dtype=torch.float16):
+        return model(x, y)[1]
+
+
+def flat_shard(model: torch.nn.Module, group=None) -> torch.nn.Parameter:
+    """This rank's piece of all the parameters laid end to end (ZeRO's flat partition, as DeepSpeed's)."""
+    flat = torch.cat([p.detach().flatten() for p in model.parameters()])
+    return torch.nn.Parameter(zero.shard_of(flat, dist.get_rank(group), dist.get_world_size(group)))
+
+
+def sharded_fp16_step(model: torch.nn.Module, shard: torch.nn.Parameter, optimizer, scaler: LossScaler,
+                      x: torch.Tensor, y: torch.Tensor, group=None) -> bool:
+    """One data-parallel fp16 step with ZeRO-2's flat gradient partition; whether the optimizer stepped.
+
+    The scaled gradients of this rank's ``loss / world_size``, laid end to end, are reduce-scattered
+    (summed), so each rank holds its piece of the global batch's gradient and nothing else: an overflow
+    lands in the piece of one rank, and only the scaler's all-reduce of the flag tells the others. The
+    optimizer steps the rank's :func:`flat_shard` (or skips), and the pieces are all-gathered back into the
+    model.
+    """
+    world_size = dist.get_world_size(group)
+    scaler.scale_loss(fp16_loss(model, x, y) / world_size).backward()
+    params = list(model.parameters())
+    flat = torch.cat([p.grad.flatten() for p in params])
+    for p in params:
+        p.grad = None
+    shard.grad = comms.reduce_scatter(flat, 0, group, pad=True)
+    stepped = scaler.step(optimizer, [shard.grad])
+    scaler.update()
+    optimizer.zero_grad()
+    with torch.no_grad():
+        full, offset = zero.all_gather_rows(shard.detach(), flat.numel(), group), 0
+        for p in params:
+            p.copy_(full[offset:offset + p.numel()].view(p.shape))
+            offset += p.numel()
+    return stepped
+
+
+__all__ = ["MasterWeightsAdamW", "accumulated_step", "LossScaler", "fp16_loss",
+           "flat_shard", "sharded_fp16_step"]
