@@ -84,3 +84,17 @@ def test_every_group_matches_init_device_mesh_on_8_ranks(eight):
             for name, (mine, theirs) in pairs.items():
                 assert mine == theirs, f"rank {rank}, mesh {shape} {names}, {name}: {mine} != {theirs}"
                 assert rank in mine
+
+
+def test_the_ledger_adds_bytes_by_group_and_the_mesh_names_each_group():
+    from helpers.parallel.ledger import Ledger, Message
+
+    ledger = Ledger()
+    entries = [("send", 8, (4, 5), True), ("recv", 8, (4, 5), True), ("send", 64, (6, 4), False),
+               ("send", 2, (5, 4), True), ("recv", 32, (4, 6), False)]
+    for direction, nbytes, ranks, counted in entries:
+        ledger.messages.append(Message("x", "x", 0, direction, 0, nbytes, counted=counted, group_ranks=ranks))
+    assert ledger.by_group() == {(4, 5): (10, 8), (4, 6): (64, 32)}  # a group's ranks in any order: one key
+    assert ledger.by_group(counted=True) == {(4, 5): (10, 8)}
+    mesh = Mesh((2, 2, 2), ("pp", "dp_shard", "tp"), world_size=8)
+    assert [mesh.dimension_of(ranks) for ranks in ledger.by_group()] == ["tp", "dp_shard"]
