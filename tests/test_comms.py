@@ -3,8 +3,9 @@
 Each collective's result is checked exactly (integer-valued inputs, so every sum is exact), and so is its
 ledger entry: one booking per call, of the tensor on the wire (its dtype and size), over the group's
 ranks. A bf16 wire is checked against a cast by hand; an fp8 all-gather moves one byte per element and gives
-back exactly what was cast; an fp8 reduction is refused with the reason. Point-to-point messages are counted
-once per tensor on each side, and a receive nobody sends times out with the peer named.
+back exactly what was cast, whether the cast is on the wire or the tensor is fp8 already; an fp8 reduction is
+refused with the reason. Point-to-point messages are counted once per tensor on each side, and a receive
+nobody sends times out with the peer named.
 """
 
 import ipyparallel as ipp
@@ -42,6 +43,7 @@ def _collectives():
     except ValueError as err:
         out["fp8_reduce"] = str(err)
     out["booked"] = [(m.collective, m.numel, m.dtype, m.group_ranks) for m in LEDGER.booked()]
+    out["fp8_native"] = comms.all_gather(values.to(torch.float8_e4m3fn)).float()  # bytes, reinterpreted
     LEDGER.clear()
     peer = 1 - rank
     sent = comms.send(torch.full((5,), float(rank)), peer, tag=7, label="pp", phase="activations")
@@ -72,6 +74,7 @@ def test_each_collective_gives_the_exact_result_and_one_booking(ranks):
         assert torch.equal(got["bf16"], torch.full((4,), 3.0))
         fp8_want = torch.cat([results[r]["fp8_want"] for r in range(2)])
         assert torch.equal(got["fp8"], fp8_want)
+        assert torch.equal(got["fp8_native"], fp8_want)
         assert "cannot be reduced on the wire" in got["fp8_reduce"]
         names = [b[0] for b in got["booked"]]
         assert names == ["all_reduce", "all_reduce", "all_reduce", "all_gather", "reduce_scatter",

@@ -80,8 +80,10 @@ def _on_wire(x: torch.Tensor, wire_dtype, reduces: bool) -> torch.Tensor:
 
 
 def _off_wire(wire: torch.Tensor, dtype, wire_dtype) -> torch.Tensor:
-    if wire.dtype == torch.uint8 and wire_dtype in _FP8:
-        wire = wire.view(wire_dtype)
+    """What arrived, as ``dtype``: bytes sent for an fp8 tensor are reinterpreted, never converted."""
+    sent = wire_dtype or dtype  # the dtype _on_wire viewed as bytes
+    if wire.dtype == torch.uint8 and sent in _FP8:
+        wire = wire.view(sent)
     return wire.to(dtype)
 
 
