@@ -28,8 +28,8 @@ CHAPTERS = {
            "helpers.parallel.pipeline_timeline"),
     "07": ("helpers.parallel.blockwise_attention", "helpers.parallel.context_parallel"),
     "08": ("helpers.parallel.moe", "helpers.parallel.expert_parallel"),
-    "09": ("helpers.training.number_formats", "helpers.training.fp8_recipes", "helpers.training.mixed_precision",
-           "helpers.training.fp8_gather"),
+    "09": ("helpers.training.number_formats", "helpers.training.mixed_precision",
+           "helpers.training.fp8_recipes", "helpers.training.fp8_gather"),
     "10": ("helpers.parallel.mesh", "helpers.parallel.composition", "helpers.parallel.layout_search"),
 }
 
