@@ -1,7 +1,7 @@
 """What the tests of every parallelism share, and a mark on every process this test session starts, so the
 tests can tell its leftovers from anyone else's.
 
-- the ``ranks`` fixture: two ranks for one test module;
+- the ``ranks`` and ``eight`` fixtures: two ranks, or eight (a 2 x 2 x 2 mesh), for one test module;
 - :func:`small_config`: the small GPT the two-rank tests run, changed where a test needs it;
 - :func:`seeded_batch`: a global batch of random tokens, the same in this process and on every rank;
 - :func:`assert_close_to_scale`: tensors equal to a reference within ``rtol`` of each tensor's largest entry,
@@ -28,6 +28,16 @@ def ranks():
     from helpers.ranks import start_ranks
 
     r = start_ranks(2, timeout_s=20, activate=False)
+    yield r
+    r.stop()
+
+
+@pytest.fixture(scope="module")
+def eight():
+    """Eight ranks for one test module: the meshes of chapter 10."""
+    from helpers.ranks import start_ranks
+
+    r = start_ranks(8, timeout_s=30, activate=False)
     yield r
     r.stop()
 

@@ -27,15 +27,6 @@ CFG = small_config(n_heads=8, n_kv_heads=4, tie_embeddings=False)
 ROWS, M = 4, 2
 
 
-@pytest.fixture(scope="module")
-def eight():
-    from helpers.ranks import start_ranks
-
-    r = start_ranks(8, timeout_s=30, activate=False)
-    yield r
-    r.stop()
-
-
 @ipp.interactive  # sent by value: the engines cannot import this test module
 def _composed(cfg, x, y, m, attention, kind, sequence_parallel, tp_first):
     import torch.distributed as dist

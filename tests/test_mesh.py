@@ -46,15 +46,6 @@ def test_an_unknown_name_is_refused_when_asked_for():
         Mesh((8,), ("tp",), world_size=8).rows("ep")
 
 
-@pytest.fixture(scope="module")
-def eight():
-    from helpers.ranks import start_ranks
-
-    r = start_ranks(8, timeout_s=30, activate=False)
-    yield r
-    r.stop()
-
-
 @ipp.interactive  # sent by value: the engines cannot import this test module
 def _groups(shapes):
     import torch.distributed as dist
