@@ -7,6 +7,7 @@
 #   make browser       the browser test alone, on the book `make build` built
 #   make chapter CH=00 execute and check one chapter (fast feedback while reading or writing)
 #   make torchrun CH=00 NPROC=4   run a chapter's %%px cells as a script under torchrun
+#   make bench         the from-scratch code against PyTorch's, side by side, as ratios (CH=NN: one chapter's rows)
 #   make lab           JupyterLab on the notebooks, with jupytext pairing
 #   make sync          write each notebook's .ipynb pair from its .md (and back, whichever is newer)
 #   make clean         remove _build and the .ipynb pairs
@@ -28,7 +29,7 @@ REAP := $(PY) -m helpers.tools.reap --
 # no .ruff_cache behind.
 LINT := $(VENV)/bin/ruff check --no-cache --line-length 110 --select E,F,W helpers tests
 
-.PHONY: build test unit browser chapter torchrun lab sync clean venv
+.PHONY: build test unit browser chapter torchrun bench lab sync clean venv
 
 venv: $(STAMP)
 
@@ -66,6 +67,10 @@ chapter: $(STAMP)
 
 torchrun: $(STAMP)
 	$(REAP) $(PY) -m helpers.tools.px_script $(CH) --nproc $(NPROC)
+
+# Only CH given on the command line picks one chapter's rows; without it, every row.
+bench: $(STAMP)
+	$(REAP) $(PY) -m helpers.tools.bench $(if $(filter command line,$(origin CH)),--chapter $(CH))
 
 sync: $(STAMP)
 	$(VENV)/bin/jupytext --sync notebooks/[0-9][0-9]_*.md
