@@ -1,0 +1,346 @@
+"""The rows of ``make bench`` (issue 26), run on every rank: the book's from-scratch code and PyTorch's, on
+the same model, seed and data, timed alternately, and checked once against each other.
+
+Each row function runs on every rank of the default group and returns the same dict on every rank: ``ours``
+and ``theirs``, the seconds of each timed run in the order they ran (each the slowest rank's), and what else
+the row measures (``bytes`` of a message, ``memory``: each side's model-state bytes on its fullest rank).
+:func:`alternate` does the timing: a warm-up run of each, then ``ours, theirs, ours, theirs, …``, every run
+started together on every rank (a barrier, outside the timed region). The models and sizes are the chapters'
+own (chapter 02's ring, 03's DDP, 04's ZeRO, 05's tensor parallelism, 06's pipelines); the tools' page is
+:mod:`helpers.tools.bench`.
+
+Before a row returns, its two sides' results after the timed runs (the all-reduced buffer, the gradients,
+the parameters) are compared with :func:`helpers.checks.check_close`: a bench never times a wrong
+implementation.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+
+from helpers.checks import check_close
+from helpers.data import get_batch, make_tokens, rank_rows
+from helpers.model import GPT, GPTConfig, cross_entropy
+from helpers.parallel.ledger import LEDGER
+from helpers.reference import named_grads, named_params
+
+# The chapters' sizes: chapter 03's model, batch and bucket cap; 04's model (fp32 here, fp64 there) and AdamW;
+# 05's and 06's models, micro-batches and schedules.
+DDP_CFG = dict(n_layers=4, d_model=128, n_heads=8, n_kv_heads=4, d_ff=512)
+DDP_BATCH, CAP_BYTES = 16, 256 * 1024
+ZERO_CFG = dict(n_layers=4, d_model=64, n_heads=4, n_kv_heads=2, d_ff=198, vocab_size=61)
+ZERO_BATCH, ADAMW = 16, dict(lr=1e-3, weight_decay=0.01)
+TP_CFG = dict(vocab_size=16, seq_len=32, n_layers=2, d_model=64, n_heads=8, n_kv_heads=4, d_ff=256)
+TP_BATCH = 8
+PP_CFG = dict(vocab_size=16, seq_len=16, n_layers=8, d_model=32, n_heads=4, n_kv_heads=2, d_ff=64)
+PP_BATCH, PP_M, PP_V = 16, 8, 2
+
+
+def _slowest(times: list[float]) -> list[float]:
+    """Each run's time on the slowest rank: one all-reduce for the whole list, after the runs."""
+    t = torch.tensor(times, dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.tolist()
+
+
+def _timed(fn) -> float:
+    dist.barrier()  # every rank starts the run together; the barrier itself is not timed
+    started = time.perf_counter()
+    fn()
+    return time.perf_counter() - started
+
+
+def alternate(ours, theirs, *, warmup: int = 1, repeats: int | None = None, budget_s: float = 6.0,
+              min_repeats: int = 5, max_repeats: int = 25) -> tuple[list[float], list[float]]:
+    """``warmup`` runs of each, then ``ours, theirs, ours, …``: the slowest rank's seconds of each timed run.
+
+    Without ``repeats``, as many pairs as fill ``budget_s`` at the warm-up's pace, within
+    ``[min_repeats, max_repeats]`` (decided from the slowest rank's warm-up, so every rank runs as many).
+    """
+    warm = 0.0
+    for _ in range(warmup):
+        warm = _timed(ours) + _timed(theirs)
+    if repeats is None:
+        pace = _slowest([warm])[0]
+        repeats = max(min_repeats, min(max_repeats, int(budget_s / max(pace, 1e-6))))
+    ours_s, theirs_s = [], []
+    for _ in range(repeats):
+        ours_s.append(_timed(ours))
+        theirs_s.append(_timed(theirs))
+    both = _slowest(ours_s + theirs_s)
+    LEDGER.clear()  # what the runs counted and booked (chapter 02's ledger), no longer needed
+    return both[:repeats], both[repeats:]
+
+
+def model_state_bytes(model: torch.nn.Module, optimizer) -> int:
+    """Bytes of the distinct storages of this rank's parameters, gradients and optimizer parameters and state
+    (a DTensor counts its local shard), on the fullest rank."""
+    from torch.distributed.tensor import DTensor
+
+    from helpers.parallel.zero import storage_bytes
+
+    tensors = [t for p in model.parameters() for t in (p, p.grad)]
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            tensors += [p, p.grad, *optimizer.state.get(p, {}).values()]
+    seen, total = set(), 0
+    for t in tensors:
+        if isinstance(t, DTensor):
+            t = t.to_local()
+        if isinstance(t, torch.Tensor):
+            address, nbytes = storage_bytes(t)
+            if nbytes and address not in seen:
+                seen.add(address)
+                total += nbytes
+    return int(_slowest([float(total)])[0])
+
+
+def _rows(batch: int, seq_len: int, step: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's rows of the global batch of ``step``."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    x, y = get_batch(make_tokens(), step, batch, seq_len)
+    return rank_rows(x, rank, world_size), rank_rows(y, rank, world_size)
+
+
+# ------------------------------------------------------------------------------------------------ chapter 02
+
+
+def ring(nbytes: int, **timing) -> dict:
+    """Chapter 02's ring all-reduce against ``dist.all_reduce`` on ``nbytes`` of fp32, into a new buffer."""
+    from helpers.parallel.collectives import ring_all_reduce
+
+    x = torch.randn(max(1, nbytes // 4), generator=torch.Generator().manual_seed(dist.get_rank()))
+    out = {}
+
+    def ours():
+        out["ours"] = ring_all_reduce(x)
+
+    def theirs():
+        out["theirs"] = x.clone()  # ring_all_reduce returns a new buffer too
+        dist.all_reduce(out["theirs"])
+
+    ours_s, theirs_s = alternate(ours, theirs, **timing)
+    check_close(f"bench: ring all-reduce against dist.all_reduce, {nbytes} bytes", out["ours"], out["theirs"],
+                rtol=1e-6, quiet=True)  # fp32 sums of N terms in another order
+    return {"ours": ours_s, "theirs": theirs_s, "bytes": x.numel() * 4}
+
+
+# ------------------------------------------------------------------------------------------------ chapter 03
+
+
+def ddp(version: str, **timing) -> dict:
+    """Chapter 03's ``bucketed`` or ``overlapped`` data parallelism against ``DistributedDataParallel`` with
+    the same bucket cap: a step is forward, backward and the gradients' synchronisation."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    from helpers.parallel import data_parallel
+
+    cfg = GPTConfig(**DDP_CFG)
+    xs, ys = _rows(DDP_BATCH, cfg.seq_len)
+    mine, pytorch = GPT(cfg, seed=0), GPT(cfg, seed=0)
+    if version == "bucketed":
+        buckets = data_parallel.build_buckets(list(mine.parameters()), CAP_BYTES)
+
+        def sync():
+            data_parallel.bucketed_average(buckets)
+    elif version == "overlapped":
+        sync = data_parallel.OverlappedDDP(mine, CAP_BYTES).finish
+    else:
+        raise ValueError(f"version {version!r}: bucketed or overlapped")
+    wrapped = DistributedDataParallel(pytorch, bucket_cap_mb=CAP_BYTES / 2**20)
+
+    def ours():
+        mine.zero_grad(set_to_none=True)
+        mine(xs, ys)[1].backward()
+        sync()
+
+    def theirs():
+        pytorch.zero_grad(set_to_none=True)
+        wrapped(xs, ys)[1].backward()
+
+    ours_s, theirs_s = alternate(ours, theirs, **timing)
+    check_close(f"bench: {version} DDP against DistributedDataParallel, gradients", named_grads(mine),
+                named_grads(pytorch), rtol=1e-5, quiet=True)  # fp32, averaged in another order
+    return {"ours": ours_s, "theirs": theirs_s}
+
+
+# ------------------------------------------------------------------------------------------------ chapter 04
+
+
+def zero(stage: int, **timing) -> dict:
+    """Chapter 04's ZeRO-1 (``ShardedAdamW``) against ``ZeroRedundancyOptimizer`` over averaged gradients, or
+    its ZeRO-3 (``Zero3``) against FSDP2 ``fully_shard`` of every block and the root: a step is forward,
+    backward and AdamW. ``memory``: each side's model-state bytes after a step."""
+    from helpers.parallel import data_parallel
+    from helpers.parallel import zero as book_zero
+
+    cfg = GPTConfig(**ZERO_CFG)
+    xs, ys = _rows(ZERO_BATCH, cfg.seq_len)
+    mine, pytorch = GPT(cfg, seed=0), GPT(cfg, seed=0)
+    if stage == 1:
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        sharded = book_zero.ShardedAdamW(mine, stage=1, **ADAMW)
+        optimizer = ZeroRedundancyOptimizer(pytorch.parameters(), optimizer_class=torch.optim.AdamW, **ADAMW)
+        theirs_optimizer = optimizer.optim  # this rank's AdamW, over the parameters it owns
+
+        def sync():
+            data_parallel.average_gradients(pytorch)  # it shards the optimizer only, as in chapter 04
+    elif stage == 3:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        sharded = book_zero.Zero3(mine, list(mine.blocks), **ADAMW)
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        for block in pytorch.blocks:
+            fully_shard(block, mesh=mesh)
+        fully_shard(pytorch, mesh=mesh)
+        optimizer = theirs_optimizer = torch.optim.AdamW(pytorch.parameters(), **ADAMW)
+
+        def sync():
+            pass
+    else:
+        raise ValueError(f"stage {stage}: 1 or 3")
+
+    def ours():
+        sharded.zero_grad()
+        mine(xs, ys)[1].backward()
+        sharded.step()
+        sharded.memory.events.clear()  # its samples of what is held, kept for chapter 04's figures
+
+    def theirs():
+        optimizer.zero_grad(set_to_none=True)
+        pytorch(xs, ys)[1].backward()
+        sync()
+        optimizer.step()
+
+    ours_s, theirs_s = alternate(ours, theirs, **timing)
+    memory = (model_state_bytes(mine, sharded.optimizer), model_state_bytes(pytorch, theirs_optimizer))
+    shards = sharded.shards if stage == 1 else list(sharded.shards.values())
+    grads = {name: book_zero.all_gather_rows(shard.grad, p.shape[0]).view(p.shape)
+             for (name, p), shard in zip(mine.named_parameters(), shards)}
+    params = (named_params(mine) if stage == 1 else
+              {sharded.names[p]: full for p, full in sharded.full_parameters().items()})
+    label = f"bench: ZeRO-{stage} against {'ZeroRedundancyOptimizer' if stage == 1 else 'FSDP2'}"
+    check_close(f"{label}, the last step's averaged gradients", grads, named_grads(pytorch), rtol=1e-5,
+                quiet=True)  # fp32, one backward, averaged in another order
+    check_close(f"{label}, parameters after every step", params, named_params(pytorch), rtol=1e-4,
+                quiet=True)  # fp32 AdamW steps on the same data: rounding differences, a few steps of them
+    return {"ours": ours_s, "theirs": theirs_s, "memory": memory}
+
+
+# ------------------------------------------------------------------------------------------------ chapter 05
+
+
+def torch_tensor_parallel(cfg: GPTConfig, sequence_parallel: bool):
+    """The GPT split by ``torch.distributed.tensor.parallel``'s styles over the whole world, as chapter 05
+    does (Megatron's column/row split of attention and the MLP, the tied embedding split by vocabulary)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, PrepareModuleOutput,
+                                                   RowwiseParallel, SequenceParallel, parallelize_module)
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    model = GPT(cfg, seed=0)
+    seq = Shard(1) if sequence_parallel else Replicate()
+    plan = {"tok_emb": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
+            "lm_head": ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1), use_local_output=False)}
+    if sequence_parallel:
+        plan["ln_f"] = SequenceParallel()
+        plan["pos_emb"] = PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(0))
+    parallelize_module(model, mesh, plan)
+    model.lm_head.weight = model.tok_emb.weight  # tied again
+    for block in model.blocks:
+        block_plan = {"attn.q_proj": ColwiseParallel(), "attn.k_proj": ColwiseParallel(),
+                      "attn.v_proj": ColwiseParallel(), "attn.o_proj": RowwiseParallel(output_layouts=seq),
+                      "mlp.up_proj": ColwiseParallel(), "mlp.down_proj": RowwiseParallel(output_layouts=seq)}
+        if sequence_parallel:
+            gather = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+            gather_x = PrepareModuleInput(input_layouts=(Shard(1), None),  # attn(x, rope): rope passes as is
+                                          desired_input_layouts=(Replicate(), None))
+            block_plan.update({"ln1": SequenceParallel(), "ln2": SequenceParallel(), "attn": gather_x,
+                               "mlp": gather})
+        parallelize_module(block, mesh, block_plan)
+    return model
+
+
+def tp(sequence_parallel: bool, **timing) -> dict:
+    """Chapter 05's tensor parallelism (with sequence parallelism) against ``tensor.parallel`` with
+    ``loss_parallel``: a step is forward and backward of the whole model on one micro-batch."""
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    from helpers.parallel import tensor_parallel
+
+    cfg = GPTConfig(**TP_CFG)
+    x, y = get_batch(make_tokens(), 0, TP_BATCH, cfg.seq_len)  # every rank the whole micro-batch
+    mine = tensor_parallel.parallelize(GPT(cfg, seed=0), sequence_parallel=sequence_parallel)
+    pytorch = torch_tensor_parallel(cfg, sequence_parallel)
+
+    def ours():
+        mine.zero_grad(set_to_none=True)
+        mine(x, y)[1].backward()
+        if sequence_parallel:
+            tensor_parallel.allreduce_sequence_parallel_grads(mine)
+
+    def theirs():
+        pytorch.zero_grad(set_to_none=True)
+        with loss_parallel():
+            pytorch(x, y)[1].backward()
+
+    ours_s, theirs_s = alternate(ours, theirs, **timing)
+    want = tensor_parallel.shard_state(named_grads(pytorch), cfg, dist.get_rank(), dist.get_world_size())
+    check_close(f"bench: {'SP' if sequence_parallel else 'TP'} against tensor.parallel, gradients",
+                named_grads(mine), want, rtol=1e-5, quiet=True)  # fp32, reduced in another order
+    return {"ours": ours_s, "theirs": theirs_s}
+
+
+# ------------------------------------------------------------------------------------------------ chapter 06
+
+
+def pp(schedule: str, **timing) -> dict:
+    """Chapter 06's ``run_schedule`` of 1F1B or interleaved 1F1B against ``Schedule1F1B`` or
+    ``ScheduleInterleaved1F1B`` on the same chunks (built once, as a training loop would): a step is one
+    global batch in ``PP_M`` micro-batches, the tied embedding's gradients summed."""
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B
+
+    from helpers.parallel import pipeline_parallel, pipeline_schedules
+
+    p, rank = dist.get_world_size(), dist.get_rank()
+    v = {"1F1B": 1, "interleaved 1F1B": PP_V}[schedule]
+    s = (pipeline_schedules.one_f_one_b(p, PP_M) if v == 1 else
+         pipeline_schedules.interleaved_1f1b(p, PP_M, v))
+    cfg = GPTConfig(**PP_CFG)
+    x, y = get_batch(make_tokens(), 0, PP_BATCH, cfg.seq_len)
+    mine = {c: pipeline_parallel.pipeline_chunk(GPT(cfg, seed=0), c, s.n_chunks) for c in s.chunks_of(rank)}
+    embedding = pipeline_parallel.embedding_group(s.placement)
+    indices = pipeline_parallel.torch_stage_indices("loop", rank, p, v)
+    model = GPT(cfg, seed=0)
+    pytorch = {c: pipeline_parallel.pipeline_chunk(model, c, s.n_chunks) for c in indices}
+    stages = [PipelineStage(pytorch[c], c, s.n_chunks, torch.device("cpu")) for c in indices]
+    cls = Schedule1F1B if v == 1 else ScheduleInterleaved1F1B
+    torch_schedule = cls(stages[0] if v == 1 else stages, n_microbatches=PP_M, loss_fn=cross_entropy)
+    torch_embedding = pipeline_parallel.embedding_group(
+        [next(r for r in range(p) if c in pipeline_parallel.torch_stage_indices("loop", r, p, v))
+         for c in range(s.n_chunks)])
+
+    def ours():
+        for chunk in mine.values():
+            chunk.zero_grad(set_to_none=True)
+        pipeline_parallel.run_schedule(s, mine, x, y, embedding_group=embedding)
+
+    def theirs():
+        for chunk in pytorch.values():
+            chunk.zero_grad(set_to_none=True)
+        args = (x,) if 0 in pytorch else ()
+        torch_schedule.step(*args, **({"target": y} if s.n_chunks - 1 in pytorch else {}))
+        pipeline_parallel.allreduce_embedding_grads(pytorch, torch_embedding)
+
+    ours_s, theirs_s = alternate(ours, theirs, **timing)
+    check_close(f"bench: {schedule} against torch.distributed.pipelining, this rank's gradients",
+                {n: g for c in mine.values() for n, g in named_grads(c).items()},
+                {n: g for c in pytorch.values() for n, g in named_grads(c).items()},
+                rtol=1e-5, quiet=True)  # fp32 gradients summed over micro-batches in another order
+    return {"ours": ours_s, "theirs": theirs_s}
