@@ -33,6 +33,7 @@ import time
 from helpers import ROOT
 from helpers import dist as book_dist
 from helpers import errors as book_errors
+from helpers import forkserver
 
 _current: "Ranks | None" = None
 
@@ -40,8 +41,10 @@ _current: "Ranks | None" = None
 class Ranks:
     """A running set of ranks: the engines in rank order, and ways to talk to them from the kernel."""
 
-    def __init__(self, cluster, client, world_size: int, run_dir: str, janitor: subprocess.Popen):
+    def __init__(self, cluster, client, world_size: int, run_dir: str, janitor: subprocess.Popen,
+                 server: "forkserver.Server | None" = None):
         self.cluster = cluster
+        self._server = server  # these ranks' own fork server, if they have one
         self.client = client
         self.world_size = world_size
         self.backend = book_dist.backend()
@@ -99,17 +102,15 @@ class Ranks:
         cluster, self.cluster = self.cluster, None
         # Kill the engines outright: one may be stuck in a collective, and an engine asked to stop with
         # SIGTERM takes the launcher's full 5 s grace period.
-        for pid in self.pids:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        _kill(self.pids)
         try:
             self.client.close()
         finally:
             try:
                 cluster.stop_cluster_sync()
             finally:
+                if self._server is not None:
+                    self._server.stop()
                 self._janitor.terminate()
                 self._janitor.wait()
                 shutil.rmtree(self.run_dir, ignore_errors=True)
@@ -119,6 +120,22 @@ class Ranks:
     def __repr__(self) -> str:
         state = "running" if self.cluster is not None else "stopped"
         return f"<Ranks world_size={self.world_size} backend={self.backend} {state}>"
+
+
+def _kill(pids: list[int]) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def _log_tail(run_dir: str) -> str:
+    try:
+        with open(os.path.join(run_dir, "engine-0.log")) as f:
+            return f.read()[-600:].strip() or "(empty)"
+    except OSError as e:
+        return f"(unreadable: {e})"
 
 
 def _join(rank: int, world_size: int, store_file: str, timeout_s: float, workdir: str, threads: int) -> int:
@@ -143,7 +160,6 @@ def start_ranks(world_size: int = 4, *, timeout_s: float | None = None, activate
     """
     global _current
     import ipyparallel as ipp
-    from traitlets.config import Config
 
     if world_size < 1:
         raise ValueError(f"world_size must be at least 1, got {world_size}")
@@ -157,37 +173,49 @@ def start_ranks(world_size: int = 4, *, timeout_s: float | None = None, activate
         _current.stop()
     timeout_s = book_dist.collective_timeout() if timeout_s is None else timeout_s
 
-    # No nanny process per engine: it costs a few seconds of start-up on two cores, and the engines are
-    # stopped by signal (stop, janitor) rather than through it.
-    config = Config()
-    config.LocalEngineSetLauncher.engine_args = ["--IPEngine.enable_nanny=False"]
     run_dir = tempfile.mkdtemp(prefix="book-rendezvous-")
     store_file = os.path.join(run_dir, "store")
+    # Engines are forked from a process that has imported torch (helpers.forkserver): the build's and the
+    # tests' shared one when there is one, else one of these ranks' own, started now so that its imports
+    # overlap the controller's start.
+    shared = os.environ.get(forkserver.ENV)
+    server = None if forkserver.reachable(shared) else forkserver.start(run_dir)
     # The cluster's own profile, not ~/.ipython: its connection files, logs and engine-state file go with
     # run_dir.
     # The controller registers an engine at its first heartbeat: at ipyparallel's 3 s period that is most of a
     # start (6.0 s of waiting for two engines here, 1.2 s at 0.3 s). 100 misses keep the default's 30 s of
     # silence before it gives an engine up.
     heartbeat = ["--HeartMonitor.period=300", "--HeartMonitor.max_heartmonitor_misses=100"]
-    cluster = ipp.Cluster(n=world_size, controller_ip="127.0.0.1", log_level=logging.ERROR, config=config,
+    cluster = ipp.Cluster(n=0, controller_ip="127.0.0.1", log_level=logging.ERROR,
                           profile_dir=os.path.join(run_dir, "ipython"), controller_args=heartbeat)
     janitor = None
     ranks = None
+    engine_pids: list[int] = []
     try:
-        cluster.start_cluster_sync()
-        client = cluster.connect_client_sync()
-        client.wait_for_engines(world_size, timeout=120, interactive=False)  # no progress bar on the page
-        if sorted(client.ids) != list(range(world_size)):
-            raise RuntimeError(f"expected engine ids 0..{world_size - 1}, got {client.ids}")
+        cluster.start_controller_sync()
+        path = shared if server is None else server.wait().path
+        # No nanny process per engine: it costs a few seconds of start-up on two cores, and the engines are
+        # stopped by signal (stop, janitor) rather than through it.
+        env = {**os.environ, "IPP_PROFILE_DIR": cluster.profile_dir, "IPP_CLUSTER_ID": cluster.cluster_id}
+        for i in range(world_size):
+            engine_pids.append(forkserver.spawn(path, ["--IPEngine.enable_nanny=False"], env, os.getcwd(),
+                                                os.path.join(run_dir, f"engine-{i}.log")))
         controller_pid = cluster.controller.process.pid
-        engine_pids = client[:].apply_sync(os.getpid)
         janitor = subprocess.Popen(
             [sys.executable, "-m", "helpers.tools.janitor", "--remove", run_dir, str(os.getpid()),
-             str(controller_pid), *map(str, engine_pids)],
+             str(controller_pid), *map(str, engine_pids), *([str(server.process.pid)] if server else [])],
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
             start_new_session=True,
             cwd=ROOT,
         )
+        client = cluster.connect_client_sync()
+        try:
+            client.wait_for_engines(world_size, timeout=120, interactive=False)  # no progress bar on the page
+        except TimeoutError:
+            raise TimeoutError(f"{len(client.ids)} of {world_size} engines registered within 120 s; the "
+                               f"first engine's log ends: {_log_tail(run_dir)}") from None
+        if sorted(client.ids) != list(range(world_size)):
+            raise RuntimeError(f"expected engine ids 0..{world_size - 1}, got {client.ids}")
         workdir = os.getcwd()
         threads = max(1, (os.cpu_count() or 1) // world_size)
         # All ranks must join at once: launch every join, then wait for all of them.
@@ -197,15 +225,18 @@ def start_ranks(world_size: int = 4, *, timeout_s: float | None = None, activate
         deadline = time.monotonic() + timeout_s + 30
         for result in pending:
             result.get(timeout=max(1.0, deadline - time.monotonic()))
-        ranks = Ranks(cluster, client, world_size, run_dir, janitor)
+        ranks = Ranks(cluster, client, world_size, run_dir, janitor, server)
     finally:
         if ranks is None:
+            _kill(engine_pids)
             if janitor is not None:
                 janitor.terminate()
                 janitor.wait()
             try:
                 cluster.stop_cluster_sync()
             finally:
+                if server is not None:
+                    server.stop()
                 shutil.rmtree(run_dir, ignore_errors=True)
     _current = ranks
     if activate:

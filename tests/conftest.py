@@ -1,5 +1,6 @@
 """What the tests of every parallelism share, and a mark on every process this test session starts, so the
-tests can tell its leftovers from anyone else's.
+tests can tell its leftovers from anyone else's. Every engine the session starts, in a test or in a book a
+test builds, is forked from one server started for the session (helpers.forkserver), as the book's build does.
 
 - the ``ranks`` and ``eight`` fixtures: two ranks, or eight (a 2 x 2 x 2 mesh), for one test module;
 - :func:`small_config`: the small GPT the two-rank tests run, changed where a test needs it;
@@ -19,7 +20,22 @@ import torch
 
 from helpers.model import GPTConfig
 
-os.environ.setdefault("BOOK_TEST_RUN", uuid.uuid4().hex)
+os.environ.setdefault("BOOK_TEST_RUN", uuid.uuid4().hex)  # before the server starts: it carries the mark
+
+
+def pytest_configure(config):
+    from helpers import forkserver
+
+    if not forkserver.reachable(os.environ.get(forkserver.ENV)):
+        config.book_forkserver = forkserver.start().wait()
+        os.environ[forkserver.ENV] = config.book_forkserver.path
+        os.environ["BOOK_FORKSERVER_PID"] = str(config.book_forkserver.process.pid)
+
+
+def pytest_unconfigure(config):
+    server = getattr(config, "book_forkserver", None)
+    if server is not None:
+        server.stop()
 
 
 @pytest.fixture(scope="module")

@@ -9,11 +9,14 @@ import textwrap
 import time
 
 import glob
+import json
+import socket
 
 import ipyparallel as ipp
 import psutil
 import pytest
 
+from helpers import forkserver
 from helpers.ranks import start_ranks
 
 from helpers import ROOT
@@ -26,12 +29,15 @@ def book_processes() -> list[str]:
     someone runs beside the tests is not mistaken for a leftover.
     """
     marker = os.environ["BOOK_TEST_RUN"]
+    shared_server = int(os.environ.get("BOOK_FORKSERVER_PID", -1))  # alive for the session: not a leftover
     found = []
     for proc in psutil.process_iter(["pid", "cmdline", "status"]):
         cmd = " ".join(proc.info["cmdline"] or [])
+        # an engine forked by a fork server shows the server's command line
         ours = ("ipyparallel.engine", "ipyparallel.controller", "helpers.tools.janitor",
-                "torch.distributed.run")
-        if proc.info["status"] == psutil.STATUS_ZOMBIE or not any(key in cmd for key in ours):
+                "torch.distributed.run", "helpers.forkserver")
+        if proc.info["status"] == psutil.STATUS_ZOMBIE or not any(key in cmd for key in ours) \
+                or proc.info["pid"] == shared_server:
             continue
         try:
             if proc.environ().get("BOOK_TEST_RUN") == marker:
@@ -105,8 +111,10 @@ def test_a_collective_nobody_joins_times_out(ranks):
     assert time.monotonic() - started < 30
 
 
-def test_janitor_kills_the_ranks_of_a_killed_kernel(tmp_path):
-    """A 'kernel' that dies by SIGKILL never runs atexit; its engines must die all the same."""
+@pytest.mark.parametrize("server", ["shared", "own"])
+def test_janitor_kills_the_ranks_of_a_killed_kernel(tmp_path, server):
+    """A 'kernel' that dies by SIGKILL never runs atexit; its engines must die all the same, and so must the
+    fork server the ranks started for themselves when no shared one was there."""
     script = tmp_path / "kernel.py"
     script.write_text(textwrap.dedent("""
         import os, signal, psutil
@@ -114,14 +122,19 @@ def test_janitor_kills_the_ranks_of_a_killed_kernel(tmp_path):
         ranks = start_ranks(2, activate=False)
         controller = psutil.Process(ranks.cluster.controller.process.pid)
         pids = ranks.pids + [controller.pid] + [c.pid for c in controller.children(recursive=True)]
-        print(ranks.run_dir, " ".join(map(str, pids)), flush=True)
+        if ranks._server is not None:
+            pids.append(ranks._server.process.pid)
+        print(ranks.run_dir, len(ranks.pids), " ".join(map(str, pids)), flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
     """))
-    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    env = dict(os.environ)
+    if server == "own":
+        env.pop(forkserver.ENV)
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, env=env)
     assert done.returncode == -signal.SIGKILL, done.stderr
-    run_dir, *pids = done.stdout.split()
+    run_dir, engines, *pids = done.stdout.split()
     pids = [int(p) for p in pids]
-    assert len(pids) > 3 and os.path.isabs(run_dir)
+    assert len(pids) > int(engines) + (server == "own") and os.path.isabs(run_dir), done.stdout
     deadline = time.monotonic() + 10
     while any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids):
         assert time.monotonic() < deadline, "engines outlived their kernel"
@@ -159,3 +172,39 @@ def test_reaper_gives_the_command_a_temporary_folder_and_removes_it():
 def test_bad_world_size_is_refused():
     with pytest.raises(ValueError, match="world_size must be at least 1"):
         start_ranks(0)
+
+
+def test_ranks_without_a_shared_server_start_and_stop_their_own(monkeypatch):
+    """A notebook opened alone in JupyterLab has no shared server: the ranks fork from one of their own, and
+    stopping them ends it and removes its socket with their folder."""
+    monkeypatch.delenv(forkserver.ENV)
+    ranks = start_ranks(2, timeout_s=10, activate=False)
+    try:
+        server = ranks._server.process
+        assert {p.ppid() for p in map(psutil.Process, ranks.pids)} == {server.pid}
+        assert ranks.apply(_all_reduce_rank_plus_one) == [(0, 3.0), (1, 3.0)]
+    finally:
+        ranks.stop()
+    assert server.poll() is not None and not os.path.exists(ranks.run_dir)
+    assert wait_until_gone() == []
+
+
+def test_fork_server_answers_a_bad_request_and_ends_when_its_socket_goes(tmp_path):
+    server = forkserver.start(str(tmp_path)).wait()
+    try:
+        with socket.socket(socket.AF_UNIX) as conn:
+            conn.connect(server.path)
+            conn.sendall(b"{}")
+            conn.shutdown(socket.SHUT_WR)
+            assert json.loads(forkserver._read(conn)) == {"error": "ValueError: a request needs argv, env, cwd, log"}
+        log = tmp_path / "engine.log"  # a child that cannot become an engine says why in its log
+        pid = forkserver.spawn(server.path, [], {}, str(tmp_path / "missing"), str(log))
+        deadline = time.monotonic() + 10
+        while "FileNotFoundError" not in (log.read_text() if log.exists() else ""):
+            assert time.monotonic() < deadline, f"no error in the log of engine {pid}"
+            time.sleep(0.1)
+        assert forkserver.reachable(server.path)  # it went on serving
+        os.remove(server.path)
+        server.process.wait(timeout=5)
+    finally:
+        server.stop()

@@ -5,15 +5,26 @@ jupyter-book prints a failing cell's traceback in the middle of a long log and e
 the cause". This wrapper streams the log unchanged, and when the build fails it repeats, as the last lines,
 each notebook that failed and the errors raised in it (a ``CheckFailed`` with its numbers, a rank's exception,
 a timeout), and every Sphinx warning (``-W`` turns them into errors).
+
+The engines of every notebook are forked from one server started for the whole build
+(:mod:`helpers.forkserver`), so torch is imported once per build rather than once per rank. The build ends
+with where each notebook's time went: its kernel's start, starting ranks, cells on the ranks (``%%px``),
+cells that draw, and the rest (single-process runs, calculators, checks), from an IPython start-up file that
+times every cell in the build's own IPython folder (``IPYTHONDIR``, temporary, removed at the end).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
+
+from helpers import forkserver
 
 JB_FLAGS = ("-W", "-n", "--keep-going")  # warnings (a failed notebook among them) are errors; report them all
 ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
@@ -60,17 +71,86 @@ def summarize(log: str) -> list[str]:
     return out
 
 
+# Runs in every kernel of the build: one line per cell, appended to a file of that kernel's own.
+CELL_TIMER = """
+def _book_cell_times():  # a function, so that nothing is left in the notebook's namespace
+    import json, os, re, time
+
+    path = os.path.join(os.environ["BOOK_CELL_TIMES"], f"{time.time_ns():020d}-{os.getpid()}.jsonl")
+    started = []
+
+    def kind(source):
+        if "start_ranks(" in source:
+            return "start ranks"
+        if source.lstrip().startswith("%%px"):
+            return "on ranks"
+        if re.search(r"\\bplt\\.|\\.subplots\\(|savefig|\\bfig\\b", source):
+            return "figures"
+        return "single process"
+
+    def post(result):
+        with open(path, "a") as f:
+            f.write(json.dumps([kind(result.info.raw_cell or ""), time.monotonic() - started.pop()]) + "\\n")
+
+    get_ipython().events.register("pre_run_cell", lambda info: started.append(time.monotonic()))
+    get_ipython().events.register("post_run_cell", post)
+
+
+_book_cell_times()
+del _book_cell_times
+"""
+KINDS = ("start ranks", "on ranks", "single process", "figures")
+
+
+def breakdown(lines: list[str], times_dir: str) -> list[str]:
+    """Each executed notebook's seconds by kind of cell, and the kernel's start (the rest of its time).
+
+    Notebooks run one after the other, so the n-th kernel started is the n-th notebook executed.
+    """
+    executed = [(os.path.relpath(m.group(1)), float(m.group(2)))
+                for m in (EXECUTED.match(ANSI.sub("", line)) for line in lines) if m]
+    kernels = sorted(os.listdir(times_dir))
+    out = [f"  {'seconds':>7}  {'kernel':>6}  " + "  ".join(f"{k:>14}" for k in KINDS) + "  notebook"]
+    for i, (notebook, total) in enumerate(executed):
+        by_kind = dict.fromkeys(KINDS, 0.0)
+        if i < len(kernels):
+            with open(os.path.join(times_dir, kernels[i])) as f:
+                for kind, seconds in map(json.loads, f):
+                    by_kind[kind] += seconds
+        rest = total - sum(by_kind.values())
+        out.append(f"  {total:7.1f}  {rest:6.1f}  " + "  ".join(f"{by_kind[k]:14.1f}" for k in KINDS)
+                   + f"  {notebook}")
+    return out
+
+
 def main(argv: list[str]) -> int:
     source = argv[0] if argv else "."
     jupyter_book = os.path.join(os.path.dirname(sys.executable), "jupyter-book")
     cmd = [jupyter_book, "build", source, *JB_FLAGS, *argv[1:]]
     started = time.monotonic()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
-    lines = []
-    for line in proc.stdout:
-        sys.stdout.write(line)
-        lines.append(line)
-    status = proc.wait()
+    work = tempfile.mkdtemp(prefix="book-build-")
+    try:
+        startup = os.path.join(work, "ipython", "profile_default", "startup")
+        os.makedirs(startup)
+        with open(os.path.join(startup, "00-book-cell-times.py"), "w") as f:
+            f.write(CELL_TIMER)
+        os.makedirs(os.path.join(work, "times"))
+        server = forkserver.start(os.path.join(work)).wait()
+        env = {**os.environ, forkserver.ENV: server.path, "IPYTHONDIR": os.path.join(work, "ipython"),
+               "BOOK_CELL_TIMES": os.path.join(work, "times")}
+        try:
+            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                    bufsize=1, env=env)
+            lines = []
+            for line in proc.stdout:
+                sys.stdout.write(line)
+                lines.append(line)
+            status = proc.wait()
+        finally:
+            server.stop()
+        table = breakdown(lines, os.path.join(work, "times"))
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
     elapsed = time.monotonic() - started
     if status != 0:
         print(f"\n==== the book build failed (exit status {status}, {elapsed:.0f} s) ====")
@@ -78,9 +158,10 @@ def main(argv: list[str]) -> int:
             print(line)
     else:
         print(f"book built in {elapsed:.0f} s")
-    for line in lines:  # each notebook's execution time, as myst-nb logged it
-        if timed := EXECUTED.match(ANSI.sub("", line)):
-            print(f"  {float(timed.group(2)):6.1f} s  {os.path.relpath(timed.group(1))}")
+    # each notebook's execution time as myst-nb logged it, split by what its cells did
+    executed = sum(float(m.group(2)) for m in (EXECUTED.match(ANSI.sub("", line)) for line in lines) if m)
+    print(f"of which executing notebooks {executed:.0f} s, the rest Sphinx's; per notebook:")
+    print("\n".join(table))
     return status
 
 
