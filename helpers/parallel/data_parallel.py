@@ -75,6 +75,12 @@ def _unflatten_into(flat: torch.Tensor, params: list[torch.nn.Parameter]) -> Non
         offset += n
 
 
+def _flat_views(bucket: list[torch.nn.Parameter]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """One zeroed buffer for the bucket's gradients, and a view of it shaped like each parameter."""
+    flat = torch.zeros(sum(p.numel() for p in bucket), dtype=bucket[0].dtype, device=bucket[0].device)
+    return flat, [v.view_as(p) for v, p in zip(flat.split([p.numel() for p in bucket]), bucket)]
+
+
 def bucketed_average(buckets: list[list[torch.nn.Parameter]], group=None) -> None:
     """After backward: one all-reduce per bucket, over a flat copy of the bucket's gradients."""
     world_size = dist.get_world_size(group)
@@ -109,21 +115,27 @@ class OverlappedDDP:
     """Bucketed all-reduces launched from autograd hooks, overlapping the rest of backward.
 
     ``register_post_accumulate_grad_hook`` runs a hook once a parameter's gradient for this backward pass is
-    complete in ``.grad``. When the last parameter of a bucket reports, the bucket is flattened, divided by N
-    (before the sum, as PyTorch's default hook does) and all-reduced asynchronously; :meth:`finish` waits for
-    every bucket and copies the averages back. ``timeline`` (a :class:`BucketTimeline`) records, per rank,
-    when each gradient became ready and when each bucket was launched and completed, for the figure.
+    complete in ``.grad``. When the last parameter of a bucket reports, the bucket is divided by N (before
+    the sum, as PyTorch's default hook does) and all-reduced asynchronously; :meth:`finish` waits for every
+    bucket. Each bucket is one flat buffer, and its parameters' ``.grad`` are views of it (PyTorch's
+    ``gradient_as_bucket_view``): backward accumulates straight into the buffer and the all-reduce averages
+    it in place, so nothing is flattened or copied back. A gradient that is not such a view (at the first
+    step, or after ``zero_grad(set_to_none=True)``) is copied in once and replaced by its view.
+    ``timeline`` (a :class:`BucketTimeline`) records, per rank, when each gradient became ready and when
+    each bucket was launched and completed, for the figure.
 
     ``all_reduce`` replaces ``torch.distributed.all_reduce`` with a function ``all_reduce(tensor, group=...)``
     that returns the sum, such as the book's ``ring_all_reduce`` (chapter 02): it runs to completion inside
-    the hook, and the ledger counts each of its messages.
+    the hook, and the ledger counts each of its messages. ``buckets`` (lists of the model's parameters)
+    replaces :func:`build_buckets`'s.
     """
 
-    def __init__(self, model: torch.nn.Module, cap_bytes: int, group=None, all_reduce=None):
+    def __init__(self, model: torch.nn.Module, cap_bytes: int, group=None, all_reduce=None, buckets=None):
         self.model, self.group, self.all_reduce = model, group, all_reduce
         self.world_size = dist.get_world_size(group)
-        self.buckets = build_buckets(list(model.parameters()), cap_bytes)
+        self.buckets = buckets or build_buckets(list(model.parameters()), cap_bytes)
         self.bucket_of = {p: i for i, bucket in enumerate(self.buckets) for p in bucket}
+        self.flat = [_flat_views(bucket) for bucket in self.buckets]  # per bucket: (buffer, its views)
         self.require_sync = True
         self.timeline = BucketTimeline()
         self._reset()
@@ -145,22 +157,27 @@ class OverlappedDDP:
             self._launch(i)
 
     def _launch(self, i: int) -> None:
-        """Flatten bucket ``i``, divide it by N, and start its all-reduce without waiting for it."""
-        flat = _flatten([p.grad for p in self.buckets[i]]).div_(self.world_size)
+        """Divide bucket ``i``'s buffer by N, and start its all-reduce, in place, without waiting for it."""
+        flat, views = self.flat[i]
+        for p, view in zip(self.buckets[i], views):
+            if p.grad.data_ptr() != view.data_ptr():  # not yet (or no longer) a view of the buffer
+                view.copy_(p.grad)
+                p.grad = view
+        flat.div_(self.world_size)
         if self.all_reduce is None:
             pending = comms.all_reduce(flat, self.group, async_op=True)
         else:  # the book's ring runs to completion here, every message counted by the ledger
             total = self.all_reduce(flat, group=self.group)
-            pending = comms.Pending([], lambda: total, f"the ring all-reduce of bucket {i}")
+            pending = comms.Pending([], lambda: flat.copy_(total), f"the ring all-reduce of bucket {i}")
         self.in_flight.append((i, self.timeline.launched(i, pending)))
 
     def finish(self) -> None:
-        """Wait for every bucket and write the averaged gradients back into ``.grad``."""
+        """Wait for every bucket: then every ``.grad``, a view of its bucket, holds the average."""
         if self.require_sync and any(self.waiting):
             missing = [i for i, n in enumerate(self.waiting) if n]
             raise RuntimeError(f"buckets {missing} never became ready: a parameter got no gradient")
-        for i, pending in self.in_flight:
-            _unflatten_into(pending.wait(), self.buckets[i])
+        for _, pending in self.in_flight:
+            pending.wait()
         self._reset()
 
     @contextlib.contextmanager

@@ -37,6 +37,8 @@ STEP_ROWS = [
      {"version": "bucketed"}),
     ("03", "overlapped DDP step", "data_parallel.OverlappedDDP", "DistributedDataParallel", "ddp",
      {"version": "overlapped"}),
+    ("03", "overlapped, DDP's buckets", "OverlappedDDP(buckets=closed_at_cap)", "DistributedDataParallel",
+     "ddp", {"version": "overlapped, DDP's buckets"}),
     ("04", "ZeRO-1 step", "zero.ShardedAdamW", "ZeroRedundancyOptimizer", "zero", {"stage": 1}),
     ("04", "ZeRO-3 step", "zero.Zero3", "FSDP2 fully_shard", "zero", {"stage": 3}),
     ("05", "TP step", "tensor_parallel.parallelize", "tensor.parallel", "tp", {"sequence_parallel": False}),
@@ -82,6 +84,8 @@ def summarize(chapter: str, row: str, ours: str, theirs: str, result: dict, worl
         out["bytes"] = result["bytes"]
         out["ours_busbw_gbs"] = bus_bandwidth(result["bytes"], out["ours_ms"] / 1e3, world_size)
         out["theirs_busbw_gbs"] = bus_bandwidth(result["bytes"], out["theirs_ms"] / 1e3, world_size)
+    if "note" in result:
+        out["note"] = result["note"]
     if "memory" in result:
         mine, pytorch = result["memory"]
         out["memory_ratio"] = mine / pytorch
@@ -154,7 +158,7 @@ def format_table(table: list[dict]) -> str:
                       "; ".join(x for x in (r["verdict"], r["note"]) if x)])
     widths = [max(len(str(line[c])) for line in lines) for c in range(len(head) - 1)]
     text = ["  ".join(str(v).ljust(w) for v, w in zip(line, widths)) + "  " + line[-1] for line in lines]
-    text.insert(1, "-" * max(len(t) for t in text))
+    text.insert(1, "-" * len(text[0]))
     return "\n".join(t.rstrip() for t in text)
 
 

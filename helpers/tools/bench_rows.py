@@ -133,7 +133,9 @@ def ring(nbytes: int, **timing) -> dict:
 
 def ddp(version: str, **timing) -> dict:
     """Chapter 03's ``bucketed`` or ``overlapped`` data parallelism against ``DistributedDataParallel`` with
-    the same bucket cap: a step is forward, backward and the gradients' synchronisation."""
+    the same bucket cap (its other settings PyTorch's defaults): a step is forward, backward and the
+    gradients' synchronisation. Both keep their gradient buffers from step to step, zeroed in place, as
+    chapter 03's timing keeps them (there they accumulate)."""
     from torch.nn.parallel import DistributedDataParallel
 
     from helpers.parallel import data_parallel
@@ -146,25 +148,42 @@ def ddp(version: str, **timing) -> dict:
 
         def sync():
             data_parallel.bucketed_average(buckets)
-    elif version == "overlapped":
-        sync = data_parallel.OverlappedDDP(mine, CAP_BYTES).finish
+    elif version in ("overlapped", "overlapped, DDP's buckets"):
+        buckets = (None if version == "overlapped" else closed_at_cap(list(mine.parameters()), CAP_BYTES))
+        trainer = data_parallel.OverlappedDDP(mine, CAP_BYTES, buckets=buckets)
+        buckets, sync = trainer.buckets, trainer.finish
     else:
-        raise ValueError(f"version {version!r}: bucketed or overlapped")
+        raise ValueError(f"version {version!r}: bucketed, overlapped, or overlapped, DDP's buckets")
     wrapped = DistributedDataParallel(pytorch, bucket_cap_mb=CAP_BYTES / 2**20)
 
     def ours():
-        mine.zero_grad(set_to_none=True)
+        mine.zero_grad(set_to_none=False)
         mine(xs, ys)[1].backward()
         sync()
 
     def theirs():
-        pytorch.zero_grad(set_to_none=True)
+        pytorch.zero_grad(set_to_none=False)
         wrapped(xs, ys)[1].backward()
 
     ours_s, theirs_s = alternate(ours, theirs, **timing)
     check_close(f"bench: {version} DDP against DistributedDataParallel, gradients", named_grads(mine),
                 named_grads(pytorch), rtol=1e-5, quiet=True)  # fp32, averaged in another order
-    return {"ours": ours_s, "theirs": theirs_s}
+    theirs_buckets = wrapped._get_ddp_logging_data().get("rebuilt_bucket_sizes", "").count(",") + 1
+    return {"ours": ours_s, "theirs": theirs_s, "note": f"{len(buckets)} buckets against {theirs_buckets}"}
+
+
+def closed_at_cap(params: list[torch.nn.Parameter], cap_bytes: int) -> list[list[torch.nn.Parameter]]:
+    """Buckets as DDP makes them: in reverse order, each closed once it *reaches* ``cap_bytes`` (so it may
+    pass the cap by its last parameter), where :func:`~helpers.parallel.data_parallel.build_buckets` keeps
+    each under the cap and so makes more of them."""
+    buckets, current, size = [], [], 0
+    for p in reversed(params):
+        current.append(p)
+        size += p.numel() * p.element_size()
+        if size >= cap_bytes:
+            buckets.append(current)
+            current, size = [], 0
+    return buckets + ([current] if current else [])
 
 
 # ------------------------------------------------------------------------------------------------ chapter 04
