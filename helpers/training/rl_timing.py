@@ -128,7 +128,7 @@ def simulate(rollout_s, train_s, update_s: float, staleness: int = 0, colocated:
             t = p.run("all devices", "rollout", j, t, rollout_s[j])
             t = p.run("all devices", "train", j, t, train_s[j])
             t = p.run("all devices", "update", j, t, update_s)
-        return Timeline(p.events, [0] * n, t, ("all devices",), n)
+        return Timeline(p.events, _staleness(p.events, "all devices"), t, ("all devices",), n)
     s = staleness
     gen_end, train_end, update_end = [0.0] * n, [0.0] * n, {0: 0.0}  # weights 0 are on the generator at 0
 
@@ -151,7 +151,15 @@ def simulate(rollout_s, train_s, update_s: float, staleness: int = 0, colocated:
         start = max(gen_end[j], update_end[j])
         train_end[j] = p.run("trainer", "train", j, start, train_s[j])
     update(n)
-    return Timeline(p.events, [min(j, s) for j in range(n)], update_end[n], ("generator", "trainer"), n)
+    return Timeline(p.events, _staleness(p.events, "generator"), update_end[n], ("generator", "trainer"), n)
+
+
+def _staleness(events, pool: str) -> list[int]:
+    """Batch j's staleness, read off the timeline: j minus the updates the generating pool had received when
+    the batch's rollout began (the weights of training step j are the newest it could have)."""
+    updates = [e.end for e in events if e.pool == pool and e.kind == "update"]
+    starts = sorted((e.step, e.start) for e in events if e.pool == pool and e.kind == "rollout")
+    return [j - sum(1 for end in updates if end <= start) for j, start in starts]
 
 
 def closed_form(t_r: float, t_t: float, t_w: float, n: int, staleness: int = 0) -> float:
