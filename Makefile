@@ -2,8 +2,8 @@
 #
 #   make build         create .venv if needed, execute every notebook, build the HTML into _build/html
 #   make test          the linter, the unit tests and the faulty-notebook tests, beside the full book build with
-#                      warnings as errors; then the browser test of the built pages (skipped, loudly, where no
-#                      Chromium is installed)
+#                      warnings as errors followed by the browser test of the built pages (skipped, loudly, where
+#                      no Chromium is installed)
 #   make browser       the browser test alone, on the book `make build` built
 #   make chapter CH=00 execute and check one chapter (fast feedback while reading or writing)
 #   make torchrun CH=00 NPROC=4   run a chapter's %%px cells as a script under torchrun
@@ -29,7 +29,7 @@ REAP := $(PY) -m helpers.tools.reap --
 # no .ruff_cache behind.
 LINT := $(VENV)/bin/ruff check --no-cache --line-length 110 --select E,F,W helpers tests
 
-.PHONY: build test unit browser chapter torchrun bench lab sync clean venv
+.PHONY: build test unit browser build-and-browser chapter torchrun bench lab sync clean venv
 
 venv: $(STAMP)
 
@@ -55,12 +55,14 @@ unit: $(STAMP)
 browser: $(STAMP)
 	$(REAP) $(PY) -m pytest -q -rs tests/browser
 
-# The unit tests and the book build side by side, then the browser test on that build. On two cores each of
-# the first two keeps about one busy (notebooks and tests wait on their ranks): 570 s side by side against
-# 237 + 430 s one after the other, measured here. --output-sync prints each one's output whole as it ends.
+# The unit tests beside the book build and then the browser test of that build: on two cores each keeps
+# about one busy (notebooks and tests wait on their ranks). --output-sync prints each one's output whole as it
+# ends.
 test: $(STAMP)
-	$(MAKE) --no-print-directory -j2 --output-sync=target unit build
-	$(MAKE) --no-print-directory browser
+	$(MAKE) --no-print-directory -j2 --output-sync=target unit build-and-browser
+
+build-and-browser: build
+	$(REAP) $(PY) -m pytest -q -rs tests/browser
 
 chapter: $(STAMP)
 	$(REAP) $(PY) -m helpers.tools.run_chapter $(CH)

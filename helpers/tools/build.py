@@ -76,7 +76,8 @@ CELL_TIMER = """
 def _book_cell_times():  # a function, so that nothing is left in the notebook's namespace
     import json, os, re, time
 
-    path = os.path.join(os.environ["BOOK_CELL_TIMES"], f"{time.time_ns():020d}-{os.getpid()}.jsonl")
+    name = f"{os.getppid()}-{time.time_ns():020d}-{os.getpid()}.jsonl"  # by parent, then by start
+    path = os.path.join(os.environ["BOOK_CELL_TIMES"], name)
     started = []
 
     def kind(source):
@@ -102,14 +103,16 @@ del _book_cell_times
 KINDS = ("start ranks", "on ranks", "single process", "figures")
 
 
-def breakdown(lines: list[str], times_dir: str) -> list[str]:
-    """Each executed notebook's seconds by kind of cell, and the kernel's start (the rest of its time).
+def breakdown(lines: list[str], times_dir: str, builder: int) -> list[str]:
+    """Each executed notebook's seconds by kind of cell, and the rest of its time (its kernel's start and
+    stop).
 
-    Notebooks run one after the other, so the n-th kernel started is the n-th notebook executed.
+    The notebooks' kernels are the children of the ``builder`` process (a kernel a notebook starts itself is
+    not), and they run one after the other: the n-th one started is the n-th notebook executed.
     """
     executed = [(os.path.relpath(m.group(1)), float(m.group(2)))
                 for m in (EXECUTED.match(ANSI.sub("", line)) for line in lines) if m]
-    kernels = sorted(os.listdir(times_dir))
+    kernels = sorted(f for f in os.listdir(times_dir) if f.startswith(f"{builder}-"))
     out = [f"  {'seconds':>7}  {'kernel':>6}  " + "  ".join(f"{k:>14}" for k in KINDS) + "  notebook"]
     for i, (notebook, total) in enumerate(executed):
         by_kind = dict.fromkeys(KINDS, 0.0)
@@ -148,7 +151,7 @@ def main(argv: list[str]) -> int:
             status = proc.wait()
         finally:
             server.stop()
-        table = breakdown(lines, os.path.join(work, "times"))
+        table = breakdown(lines, os.path.join(work, "times"), proc.pid)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     elapsed = time.monotonic() - started
