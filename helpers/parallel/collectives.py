@@ -28,15 +28,17 @@ def ring_reduce_scatter_(chunks: list[torch.Tensor], group=None) -> None:
 
     At step s, rank r sends chunk r-s-1 to its right neighbour, receives chunk r-s-2 from its left one and
     adds its own contribution to it. A chunk starts on the rank after its owner and travels N-1 hops
-    around the ring, gathering one addend per hop, so it ends, complete, on its owner.
+    around the ring, gathering one addend per hop, so it ends, complete, on its owner. One receive buffer,
+    the size of the largest chunk, serves every step.
     """
     rank, world_size = dist.get_rank(group), dist.get_world_size(group)
     right, left = (rank + 1) % world_size, (rank - 1) % world_size
+    inbox = chunks[0].new_empty(max(chunk.numel() for chunk in chunks))  # allocated once, not once per step
     with LEDGER.collective("ring_reduce_scatter"):
         for step in range(world_size - 1):
             send_index = (rank - step - 1) % world_size
             recv_index = (rank - step - 2) % world_size
-            received = torch.empty_like(chunks[recv_index])
+            received = inbox[:chunks[recv_index].numel()].view(chunks[recv_index].shape)
             LEDGER.exchange(chunks[send_index], right, received, left, group=group,
                             send_chunk=send_index, recv_chunk=recv_index)
             chunks[recv_index] += received  # the partial sum from upstream, plus this rank's addend
