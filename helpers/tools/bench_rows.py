@@ -254,49 +254,19 @@ def zero(stage: int, **timing) -> dict:
 # ------------------------------------------------------------------------------------------------ chapter 05
 
 
-def torch_tensor_parallel(cfg: GPTConfig, sequence_parallel: bool):
-    """The GPT split by ``torch.distributed.tensor.parallel``'s styles over the whole world, as chapter 05
-    does (Megatron's column/row split of attention and the MLP, the tied embedding split by vocabulary)."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, PrepareModuleOutput,
-                                                   RowwiseParallel, SequenceParallel, parallelize_module)
-
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    model = GPT(cfg, seed=0)
-    seq = Shard(1) if sequence_parallel else Replicate()
-    plan = {"tok_emb": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
-            "lm_head": ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1), use_local_output=False)}
-    if sequence_parallel:
-        plan["ln_f"] = SequenceParallel()
-        plan["pos_emb"] = PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(0))
-    parallelize_module(model, mesh, plan)
-    model.lm_head.weight = model.tok_emb.weight  # tied again
-    for block in model.blocks:
-        block_plan = {"attn.q_proj": ColwiseParallel(), "attn.k_proj": ColwiseParallel(),
-                      "attn.v_proj": ColwiseParallel(), "attn.o_proj": RowwiseParallel(output_layouts=seq),
-                      "mlp.up_proj": ColwiseParallel(), "mlp.down_proj": RowwiseParallel(output_layouts=seq)}
-        if sequence_parallel:
-            gather = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
-            gather_x = PrepareModuleInput(input_layouts=(Shard(1), None),  # attn(x, rope): rope passes as is
-                                          desired_input_layouts=(Replicate(), None))
-            block_plan.update({"ln1": SequenceParallel(), "ln2": SequenceParallel(), "attn": gather_x,
-                               "mlp": gather})
-        parallelize_module(block, mesh, block_plan)
-    return model
-
-
 def tp(sequence_parallel: bool, **timing) -> dict:
     """Chapter 05's tensor parallelism (with sequence parallelism) against ``tensor.parallel`` with
     ``loss_parallel``: a step is forward and backward of the whole model on one micro-batch."""
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import loss_parallel
 
     from helpers.parallel import tensor_parallel
+    from helpers.parallel.tensor_parallel_torch import torch_tensor_parallel
 
     cfg = GPTConfig(**TP_CFG)
     x, y = get_batch(make_tokens(), 0, TP_BATCH, cfg.seq_len)  # every rank the whole micro-batch
     mine = tensor_parallel.parallelize(GPT(cfg, seed=0), sequence_parallel=sequence_parallel)
-    pytorch = torch_tensor_parallel(cfg, sequence_parallel)
+    pytorch = torch_tensor_parallel(cfg, init_device_mesh("cpu", (dist.get_world_size(),)), sequence_parallel)
 
     def ours():
         mine.zero_grad(set_to_none=True)
