@@ -23,7 +23,8 @@ CHAPTERS = {
            "helpers.parallel.comms"),
     "03": ("helpers.parallel.data_parallel",),
     "04": ("helpers.parallel.zero",),
-    "05": ("helpers.parallel.tensor_parallel_comms", "helpers.parallel.tensor_parallel"),
+    "05": ("helpers.parallel.tensor_parallel_comms", "helpers.parallel.tensor_parallel",
+           "helpers.parallel.tensor_parallel_torch"),
     "06": ("helpers.parallel.pipeline_schedules", "helpers.parallel.pipeline_parallel",
            "helpers.parallel.pipeline_timeline"),
     "07": ("helpers.parallel.blockwise_attention", "helpers.parallel.context_parallel"),
@@ -31,6 +32,7 @@ CHAPTERS = {
     "09": ("helpers.training.number_formats", "helpers.training.mixed_precision",
            "helpers.training.fp8_recipes", "helpers.training.fp8_gather"),
     "10": ("helpers.parallel.mesh", "helpers.parallel.composition", "helpers.parallel.layout_search"),
+    "11": ("helpers.training.weight_sync", "helpers.training.rl_timing"),
 }
 
 # what every chapter uses and none teaches: ranks, checks, what a page shows, the reference model and data
