@@ -196,7 +196,8 @@ def test_fork_server_answers_a_bad_request_and_ends_when_its_socket_goes(tmp_pat
             conn.connect(server.path)
             conn.sendall(b"{}")
             conn.shutdown(socket.SHUT_WR)
-            assert json.loads(forkserver._read(conn)) == {"error": "ValueError: a request needs argv, env, cwd, log"}
+            answer = json.loads(forkserver._read(conn))
+            assert answer == {"error": "ValueError: a request needs argv, env, cwd, log"}
         log = tmp_path / "engine.log"  # a child that cannot become an engine says why in its log
         pid = forkserver.spawn(server.path, [], {}, str(tmp_path / "missing"), str(log))
         deadline = time.monotonic() + 10
