@@ -103,15 +103,21 @@ del _book_cell_times
 KINDS = ("start ranks", "on ranks", "single process", "figures")
 
 
-def breakdown(lines: list[str], times_dir: str, builder: int) -> list[str]:
-    """Each executed notebook's seconds by kind of cell, and the rest of its time (its kernel's start and
-    stop).
+def breakdown(lines: list[str], stamps: list[float], times_dir: str, builder: int) -> list[str]:
+    """Each executed notebook's seconds, from the log's "Executing" line to its "Executed" line as this
+    process read them (jupyter-book runs unbuffered), split by kind of cell; the rest is its kernel's start
+    and stop.
 
     The notebooks' kernels are the children of the ``builder`` process (a kernel a notebook starts itself is
     not), and they run one after the other: the n-th one started is the n-th notebook executed.
     """
-    executed = [(os.path.relpath(m.group(1)), float(m.group(2)))
-                for m in (EXECUTED.match(ANSI.sub("", line)) for line in lines) if m]
+    executed, started = [], {}
+    for line, stamp in zip(lines, stamps):
+        line = ANSI.sub("", line)
+        if m := EXECUTING.match(line):
+            started[m.group(1)] = stamp
+        elif (m := EXECUTED.match(line)) and m.group(1) in started:
+            executed.append((os.path.relpath(m.group(1)), stamp - started[m.group(1)]))
     kernels = sorted(f for f in os.listdir(times_dir) if f.startswith(f"{builder}-"))
     out = [f"  {'seconds':>7}  {'kernel':>6}  " + "  ".join(f"{k:>14}" for k in KINDS) + "  notebook"]
     for i, (notebook, total) in enumerate(executed):
@@ -123,6 +129,7 @@ def breakdown(lines: list[str], times_dir: str, builder: int) -> list[str]:
         rest = total - sum(by_kind.values())
         out.append(f"  {total:7.1f}  {rest:6.1f}  " + "  ".join(f"{by_kind[k]:14.1f}" for k in KINDS)
                    + f"  {notebook}")
+    out.append(f"  {sum(s for _, s in executed):7.1f}  in all")
     return out
 
 
@@ -138,20 +145,21 @@ def main(argv: list[str]) -> int:
         with open(os.path.join(startup, "00-book-cell-times.py"), "w") as f:
             f.write(CELL_TIMER)
         os.makedirs(os.path.join(work, "times"))
-        server = forkserver.start(os.path.join(work)).wait()
-        env = {**os.environ, forkserver.ENV: server.path, "IPYTHONDIR": os.path.join(work, "ipython"),
-               "BOOK_CELL_TIMES": os.path.join(work, "times")}
+        server = forkserver.start(work).wait()
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", forkserver.ENV: server.path,
+               "IPYTHONDIR": os.path.join(work, "ipython"), "BOOK_CELL_TIMES": os.path.join(work, "times")}
         try:
             proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                     bufsize=1, env=env)
-            lines = []
+            lines, stamps = [], []
             for line in proc.stdout:
                 sys.stdout.write(line)
                 lines.append(line)
+                stamps.append(time.monotonic())
             status = proc.wait()
         finally:
             server.stop()
-        table = breakdown(lines, os.path.join(work, "times"), proc.pid)
+        table = breakdown(lines, stamps, os.path.join(work, "times"), proc.pid)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     elapsed = time.monotonic() - started
@@ -161,9 +169,7 @@ def main(argv: list[str]) -> int:
             print(line)
     else:
         print(f"book built in {elapsed:.0f} s")
-    # each notebook's execution time as myst-nb logged it, split by what its cells did
-    executed = sum(float(m.group(2)) for m in (EXECUTED.match(ANSI.sub("", line)) for line in lines) if m)
-    print(f"of which executing notebooks {executed:.0f} s, the rest Sphinx's; per notebook:")
+    print("where the notebooks' time went (the rest of the build is Sphinx's):")
     print("\n".join(table))
     return status
 
