@@ -90,8 +90,11 @@ def _book_cell_times():  # a function, so that nothing is left in the notebook's
         return "single process"
 
     def post(result):
+        seconds = time.monotonic() - started.pop()
+        if started:  # a cell run inside another (%%px --local runs its body so): the outer one counts
+            return
         with open(path, "a") as f:
-            f.write(json.dumps([kind(result.info.raw_cell or ""), time.monotonic() - started.pop()]) + "\\n")
+            f.write(json.dumps([kind(result.info.raw_cell or ""), seconds]) + "\\n")
 
     get_ipython().events.register("pre_run_cell", lambda info: started.append(time.monotonic()))
     get_ipython().events.register("post_run_cell", post)
