@@ -33,6 +33,7 @@ CHAPTERS = {
            "helpers.training.fp8_recipes", "helpers.training.fp8_gather"),
     "10": ("helpers.parallel.mesh", "helpers.parallel.composition", "helpers.parallel.layout_search"),
     "11": ("helpers.training.weight_sync", "helpers.training.rl_timing"),
+    "12": ("helpers.training.optimizers", "helpers.training.distributed_muon"),
 }
 
 # what every chapter uses and none teaches: ranks, checks, what a page shows, the reference model and data
