@@ -52,8 +52,9 @@ unit: $(STAMP)
 	$(REAP) $(PY) -m pytest -q tests --ignore=tests/browser
 
 # Headless Chromium opens every built page offline at 1280 and 390 px (helpers/tools/browser_check.py).
+BROWSER_TEST := $(REAP) $(PY) -m pytest -q -rs tests/browser
 browser: $(STAMP)
-	$(REAP) $(PY) -m pytest -q -rs tests/browser
+	$(BROWSER_TEST)
 
 # The unit tests beside the book build and then the browser test of that build: on two cores each keeps
 # about one busy (notebooks and tests wait on their ranks). --output-sync prints each one's output whole as it
@@ -62,7 +63,7 @@ test: $(STAMP)
 	$(MAKE) --no-print-directory -j2 --output-sync=target unit build-and-browser
 
 build-and-browser: build
-	$(REAP) $(PY) -m pytest -q -rs tests/browser
+	$(BROWSER_TEST)
 
 chapter: $(STAMP)
 	$(REAP) $(PY) -m helpers.tools.run_chapter $(CH)

@@ -6,7 +6,7 @@ the cause". This wrapper streams the log unchanged, and when the build fails it 
 each notebook that failed and the errors raised in it (a ``CheckFailed`` with its numbers, a rank's exception,
 a timeout), and every Sphinx warning (``-W`` turns them into errors).
 
-The engines of every notebook are forked from one server started for the whole build
+The engines of every notebook are forked from one server started for the whole build, or the caller's
 (:mod:`helpers.forkserver`), so torch is imported once per build rather than once per rank. The build ends
 with where each notebook's time went: its kernel's start, starting ranks, cells on the ranks (``%%px``),
 cells that draw, and the rest (single-process runs, calculators, checks), from an IPython start-up file that
@@ -148,8 +148,11 @@ def main(argv: list[str]) -> int:
         with open(os.path.join(startup, "00-book-cell-times.py"), "w") as f:
             f.write(CELL_TIMER)
         os.makedirs(os.path.join(work, "times"))
-        server = forkserver.start(work).wait()
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", forkserver.ENV: server.path,
+        # a server already shared by the caller (a test session building a book) serves this build too
+        shared = os.environ.get(forkserver.ENV)
+        server = None if forkserver.reachable(shared) else forkserver.start(work).wait()
+        path = shared if server is None else server.path
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", forkserver.ENV: path,
                "IPYTHONDIR": os.path.join(work, "ipython"), "BOOK_CELL_TIMES": os.path.join(work, "times")}
         try:
             proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -161,7 +164,8 @@ def main(argv: list[str]) -> int:
                 stamps.append(time.monotonic())
             status = proc.wait()
         finally:
-            server.stop()
+            if server is not None:
+                server.stop()
         table = breakdown(lines, stamps, os.path.join(work, "times"), proc.pid)
     finally:
         shutil.rmtree(work, ignore_errors=True)
