@@ -62,3 +62,50 @@ def test_exercise_solution_runs_at_build_time(tmp_path):
     done = build(str(broken), str(tmp_path / "broken-out"))
     assert done.returncode != 0
     assert "check \"average of 4 ranks' gradients\" failed on kernel" in done.stdout
+
+
+NOTEBOOK = """---
+jupytext:
+  text_representation: {{extension: .md, format_name: myst}}
+kernelspec: {{display_name: Python 3, language: python, name: python3}}
+---
+
+# {title}
+
+```{{code-cell}} ipython3
+{code}
+```
+"""
+
+# "first" holds a marker file while it runs; "second" fails if it sees one: it fails only beside "first"
+HOLDS = """import os, time
+open("running", "w").close()
+time.sleep(4)
+os.remove("running")"""
+SEES = """import os, time
+time.sleep(1)
+assert not os.path.exists("running"), "ran beside the other notebook"
+"""
+
+
+def test_the_notebooks_run_two_at_a_time_and_a_load_dependent_failure_fails_the_build(tmp_path):
+    from helpers.tools.build import toc_notebooks
+
+    book = tmp_path / "book"
+    book.mkdir()
+    (book / "_config.yml").write_text("title: two at a time\nonly_build_toc_files: true\n"
+                                      "execute:\n  execute_notebooks: force\n  run_in_temp: false\n")
+    (book / "_toc.yml").write_text("format: jb-book\nroot: index\nchapters:\n  - file: first\n"
+                                   "  - file: second\n")
+    (book / "index.md").write_text("# Two notebooks\n")
+    (book / "first.md").write_text(NOTEBOOK.format(title="First", code=HOLDS))
+    (book / "second.md").write_text(NOTEBOOK.format(title="Second", code=SEES))
+    assert toc_notebooks(str(book)) == ["first.md", "second.md"]  # index.md is no notebook
+    done = build(str(book), str(tmp_path / "out"))
+    assert done.returncode != 0, done.stdout[-3000:]
+    out = done.stdout
+    summary = out[out.index("==== the book build failed"):out.index("where the notebooks'")]
+    assert "second.md: failed beside another notebook, passed alone:" in summary
+    assert "ran beside the other notebook" in summary
+    assert "first.md" not in summary.replace("second.md", "")  # the one that passed is not blamed
+    assert not (book / "running").exists()
