@@ -1,7 +1,7 @@
 """``make bench`` (issue 26): the book's from-scratch implementations against PyTorch's, side by side.
 
     python -m helpers.tools.bench                 # every row, on 4 gloo ranks
-    python -m helpers.tools.bench --chapter 02    # one chapter's (02 ring, 03 DDP, 04 ZeRO, 05 TP, 06 PP)
+    python -m helpers.tools.bench --chapter 02    # one chapter's rows: 02, 03, 04, 05, 06 or 12
 
 One set of ranks (:func:`helpers.ranks.start_ranks`: every listener on 127.0.0.1, the collective timeout of
 :mod:`helpers.dist`, its temporary folder removed and its processes ended by ``stop``) runs every row of
@@ -46,7 +46,9 @@ STEP_ROWS = [
     ("06", "1F1B step", "run_schedule (1F1B)", "Schedule1F1B", "pp", {"schedule": "1F1B"}),
     ("06", "interleaved 1F1B step", "run_schedule (interleaved)", "ScheduleInterleaved1F1B", "pp",
      {"schedule": "interleaved 1F1B"}),
-    ("12", "Muon step", "distributed Muon", "torch.optim.Muon", None, {"note": "chapter 12 not yet written"}),
+    ("12", "Muon step", "optimizers.Muon", "torch.optim.Muon", "muon", {"version": "one process"}),
+    ("12", "distributed Muon step", "distributed_muon.DistributedMuon", "DDP + torch.optim.Muon", "muon",
+     {"version": "distributed"}),
 ]
 FIELDS = ["chapter", "row", "ours", "theirs", "bytes", "runs", "ours_ms", "ours_iqr_ms", "theirs_ms",
           "theirs_iqr_ms", "ratio", "ratio_q25", "ratio_q75", "verdict", "ours_busbw_gbs", "theirs_busbw_gbs",

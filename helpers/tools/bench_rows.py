@@ -6,7 +6,7 @@ and ``theirs``, the seconds of each timed run in the order they ran (each the sl
 the row measures (``bytes`` of a message, ``memory``: each side's model-state bytes on its fullest rank).
 :func:`alternate` does the timing: a warm-up run of each, then ``ours, theirs, ours, theirs, …``, every run
 started together on every rank (a barrier, outside the timed region). The models and sizes are the chapters'
-own (chapter 02's ring, 03's DDP, 04's ZeRO, 05's tensor parallelism, 06's pipelines); the tools' page is
+own (chapter 02's ring, 03's DDP, 04's ZeRO, 05's tensor parallelism, 06's pipelines, 12's Muon); the page is
 :mod:`helpers.tools.bench`.
 
 Before a row returns, its two sides' results after the timed runs (the all-reduced buffer, the gradients,
@@ -332,4 +332,74 @@ def pp(schedule: str, **timing) -> dict:
                 {n: g for c in mine.values() for n, g in named_grads(c).items()},
                 {n: g for c in pytorch.values() for n, g in named_grads(c).items()},
                 rtol=1e-5, quiet=True)  # fp32 gradients summed over micro-batches in another order
+    return {"ours": ours_s, "theirs": theirs_s}
+
+
+# ------------------------------------------------------------------------------------------------ chapter 12
+
+# Chapter 12's distributed model (Llama style), fp32 here, and its optimizers' settings; Newton–Schulz in bf16
+# on both sides, as torch.optim.Muon runs it.
+MUON_CFG = dict(n_layers=2, d_model=64, n_heads=4, n_kv_heads=2, d_ff=192)
+MUON_BATCH, MUON_ARGS, MUON_ADAMW = 8, dict(lr=0.02, momentum=0.95, weight_decay=0.1), dict(lr=3e-3,
+                                                                                           weight_decay=0.01)
+
+
+def muon(version: str, **timing) -> dict:
+    """Chapter 12's Muon against ``torch.optim.Muon``, AdamW on the rest of the parameters on both sides.
+
+    ``"one process"``: each rank times the optimizer step alone (``optimizers.Muon`` and ``AdamW`` against
+    ``torch.optim.Muon`` and ``torch.optim.AdamW``), on the gradients of one backward over the whole batch.
+    ``"distributed"``: a data-parallel step, forward, backward and update: ``DistributedMuon`` (gradients
+    reduce-scattered by owner, each matrix orthogonalised on its owner, the results all-gathered, ZeRO-1 AdamW
+    for the rest) against ``DistributedDataParallel`` with ``torch.optim.Muon`` on every rank, which
+    orthogonalises every matrix on every rank: PyTorch has no distributed Muon of its own.
+    """
+    from torch.nn.parallel import DistributedDataParallel
+
+    from helpers.training import distributed_muon, optimizers
+
+    cfg = GPTConfig.llama_style(**MUON_CFG)
+    mine, pytorch = GPT(cfg, seed=0), GPT(cfg, seed=0)
+    matrices, rest = optimizers.muon_params(pytorch)
+    theirs_optimizer = optimizers.MuonWithAdamW(torch.optim.Muon(matrices, **MUON_ARGS),
+                                                torch.optim.AdamW(rest, **MUON_ADAMW))
+    if version == "one process":
+        x, y = get_batch(make_tokens(), 0, MUON_BATCH, cfg.seq_len)
+        for model in (mine, pytorch):
+            model(x, y)[1].backward()
+        matrices, rest = optimizers.muon_params(mine)
+        ours_optimizer = optimizers.MuonWithAdamW(optimizers.Muon(matrices, **MUON_ARGS),
+                                                  optimizers.AdamW(rest, **MUON_ADAMW))
+        ours, theirs = ours_optimizer.step, theirs_optimizer.step  # the same gradients at every step
+    elif version == "distributed":
+        xs, ys = _rows(MUON_BATCH, cfg.seq_len)
+        ours_optimizer = distributed_muon.DistributedMuon(mine, mode="reduce_scatter", adamw=MUON_ADAMW,
+                                                          **MUON_ARGS)
+        ddp = DistributedDataParallel(pytorch)
+
+        def ours():
+            ours_optimizer.zero_grad()
+            mine(xs, ys)[1].backward()
+            ours_optimizer.step()
+
+        def theirs():
+            theirs_optimizer.zero_grad()
+            ddp(xs, ys)[1].backward()
+            theirs_optimizer.step()
+    else:
+        raise ValueError(f"version {version!r}: 'one process' or 'distributed'")
+    if version == "distributed":
+        # Compared after the first step, before the timed runs: AdamW turns the rounding differences of tiny
+        # gradient entries (averaged in another order) into whole steps of lr, which later steps compound
+        # (chapter 03). Within 1e-2 of each tensor's largest entry: the two averages round to other bf16
+        # values inside Newton-Schulz, whose five steep iterations move an update entry by up to a tenth
+        # (measured here: 2e-4 on entries of about 2.5e-3). Chapter 12 checks the same code in fp64 at 1e-10.
+        ours()
+        theirs()
+        check_close("bench: distributed Muon against DDP and torch.optim.Muon, parameters after a step",
+                    named_params(mine), named_params(pytorch), rtol=1e-2, quiet=True)
+    ours_s, theirs_s = alternate(ours, theirs, **timing)
+    if version == "one process":  # chapter 12's Muon follows torch's order of operations exactly
+        check_close("bench: Muon against torch.optim.Muon, parameters after every step", named_params(mine),
+                    named_params(pytorch), rtol=0.0, quiet=True)
     return {"ours": ours_s, "theirs": theirs_s}
