@@ -253,6 +253,23 @@ def _pipeline_step(cfg, schedule, x, y, stage_seconds=None, positions=None):
             [tuple(e) for e in events])
 
 
+@ipp.interactive  # sent by value: the engines cannot import this test module
+def _unmeasured_step(cfg, schedule, x, y):
+    import torch.distributed as dist
+
+    from helpers.model import GPT
+    from helpers.parallel import pipeline_parallel
+    from helpers.reference import named_grads
+
+    base = GPT(cfg, seed=0)
+    chunks = {c: pipeline_parallel.pipeline_chunk(base, c, schedule.n_chunks)
+              for c in schedule.chunks_of(dist.get_rank())}
+    embedding = pipeline_parallel.embedding_group(schedule.placement)
+    _, events = pipeline_parallel.run_schedule(schedule, chunks, x, y, embedding_group=embedding,
+                                               record_saved=False)
+    return {n: g for c in chunks.values() for n, g in named_grads(c).items()}, [e.saved_bytes for e in events]
+
+
 def test_every_schedule_on_two_ranks_matches_the_single_process(ranks):
     reference = GPT(CFG, seed=0)
     loss = reference(X, Y)[1]
@@ -273,6 +290,11 @@ def test_every_schedule_on_two_ranks_matches_the_single_process(ranks):
         assert [r[2] for r in results] == [(peak, 0) for peak in peaks]
         assert [r[3] for r in results] == [pipeline_schedules.expected_p2p_bytes(s, r, activation_bytes)
                                            for r in range(2)]
+        # a training loop that does not read the saved bytes leaves them unmeasured, and computes the same
+        unmeasured = ranks.apply(_unmeasured_step, CFG, s, X, Y)
+        assert all(r[1] == [None] * len(r[1]) for r in unmeasured), s.name
+        for (_, grads_, *_), (again, _) in zip(results, unmeasured):
+            assert all(torch.equal(grads_[n], again[n]) for n in grads_), s.name
 
 
 def test_fixed_stage_seconds_pad_every_action_and_keep_the_gradients(ranks):

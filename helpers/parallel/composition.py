@@ -98,7 +98,7 @@ def forward_backward(chunk, mesh: Mesh, plan: Plan, x: torch.Tensor, y: torch.Te
         tied = pipeline_parallel.embedding_group(s.placement, pp_group) if cfg.tie_embeddings else None
         losses, _ = pipeline_parallel.run_schedule(
             s, {stage: chunk}, xs, ys, group=pp_group, positions=positions, embedding_group=tied,
-            activation_shape=(xs.shape[0] // plan.m, tokens, cfg.d_model))
+            activation_shape=(xs.shape[0] // plan.m, tokens, cfg.d_model), record_saved=False)
         loss = torch.stack(list(losses.values())).mean() if losses else None
     reduce_gradients(chunk, mesh, plan)
     return loss

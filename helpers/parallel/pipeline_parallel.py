@@ -182,15 +182,16 @@ def weight_layers(chunk: nn.Module) -> list[nn.Module]:
     return [mod for mod in chunk.modules() if any(True for _ in mod.parameters(recurse=False))]
 
 
-def forward_step(chunk: nn.Module, *args, **kwargs):
+def forward_step(chunk: nn.Module, *args, keep_edges: bool = True, **kwargs):
     """``chunk(*args, **kwargs)``, and where each layer with weights handed its output on to the graph (its
     gradient edge): the point the weight-gradient step restarts from. Edges keep the graph's nodes, not the
-    outputs."""
+    outputs. A schedule with no W step needs none (``keep_edges=False``): hooking every layer for each
+    micro-batch is Python work on the critical path."""
     edges = []  # (layer, the edges of its outputs): a fused tensor-parallel QKV layer has three
 
     def keep(mod, args, y):
         edges.append((mod, tuple(get_gradient_edge(t) for t in (y if isinstance(y, tuple) else (y,)))))
-    hooks = [mod.register_forward_hook(keep) for mod in weight_layers(chunk)]
+    hooks = [mod.register_forward_hook(keep) for mod in weight_layers(chunk)] if keep_edges else []
     try:
         out = chunk(*args, **kwargs)
     finally:
@@ -230,7 +231,7 @@ class Executor:
     split into ``s.m`` micro-batches: each method runs one action; what a backward needs is ``kept``."""
 
     def __init__(self, s: Schedule, chunks: dict[int, GPT], tokens, targets, *, group=None, positions=None,
-                 activation_shape=None, timeout_s=None, stage_seconds=None):
+                 activation_shape=None, timeout_s=None, stage_seconds=None, record_saved=True):
         validate(s)
         self.rank = dist.get_rank(group)
         if sorted(chunks) != s.chunks_of(self.rank):
@@ -244,8 +245,9 @@ class Executor:
         shape = activation_shape or (*self.xs[0].shape, some_chunk.cfg.d_model)  # between two chunks
         like = torch.empty(shape, dtype=next(some_chunk.parameters()).dtype)
         self.mail = _Mailbox(s, group, like, timeout_s)
-        self.timeline = Timeline(chunks.values(), {kind: t / len(chunks)  # a chunk's share of a stage
-                                                    for kind, t in (stage_seconds or {}).items()})
+        stage_share = {kind: t / len(chunks) for kind, t in (stage_seconds or {}).items()}  # a chunk's
+        self.timeline = Timeline(chunks.values(), stage_share, record_saved)
+        self.splits_backward = any(a.kind == "W" for a in s.actions[self.rank])  # zero-bubble: keep edges
         self.kept, self.losses = {}, {}
 
     def forward(self, a: Action, step: int) -> None:
@@ -253,7 +255,8 @@ class Executor:
         x = self.xs[i] if c == 0 else self.mail.recv("F", c - 1, i, step).requires_grad_()
         target = self.ys[i] if c == self.last else None
         with self.timeline.computing("F"):  # padded before the send: the next rank starts after it
-            out, edges = forward_step(self.chunks[c], x, target, positions=self.positions)
+            out, edges = forward_step(self.chunks[c], x, target, positions=self.positions,
+                                      keep_edges=self.splits_backward)
             if c == self.last:  # the chunk's own loss; this micro-batch's share of the batch's mean
                 self.losses[str(i)] = out[1].detach()
                 out = out[1] / self.s.m
@@ -281,7 +284,7 @@ class Executor:
 
 def run_schedule(s: Schedule, chunks: dict[int, GPT], tokens: torch.Tensor, targets: torch.Tensor, *,
                  group=None, positions=None, activation_shape=None, timeout_s: float | None = None,
-                 stage_seconds: dict | None = None, embedding_group=None):
+                 stage_seconds: dict | None = None, embedding_group=None, record_saved: bool = True):
     """Run this rank's (``dist.get_rank(group)``) actions of ``s`` on its ``chunks`` (``{chunk index:
     chunk}``) for one global batch, split into ``s.m`` micro-batches. Gradients accumulate into the chunks'
     parameters. Every chunk is given ``positions`` (by default ``0 … time-1``); ``activation_shape`` is
@@ -290,6 +293,8 @@ def run_schedule(s: Schedule, chunks: dict[int, GPT], tokens: torch.Tensor, targ
     ``stage_seconds`` (e.g. ``{"F": 0.02, "B": 0.04, "I": 0.02, "W": 0.02}``, for a whole stage; a chunk of a
     rank holding ``v`` chunks takes ``1/v`` of it) pads every action with a sleep to a fixed duration, so that
     the timeline shows the schedule rather than the ranks' competition for the machine's cores.
+    ``record_saved=False`` leaves the bytes of saved activations unmeasured (``None`` in the events): the
+    hook on every tensor autograd saves is Python work a training loop that never reads them need not do.
 
     A tied embedding's two copies have their gradients summed after the last action
     (:func:`allreduce_embedding_grads`, over ``embedding_group``, which a rank holding one copy must pass).
@@ -301,7 +306,8 @@ def run_schedule(s: Schedule, chunks: dict[int, GPT], tokens: torch.Tensor, targ
     """
     _check_embedding_group(chunks, embedding_group)  # before any message is sent
     run = Executor(s, chunks, tokens, targets, group=group, positions=positions,
-                   activation_shape=activation_shape, timeout_s=timeout_s, stage_seconds=stage_seconds)
+                   activation_shape=activation_shape, timeout_s=timeout_s, stage_seconds=stage_seconds,
+                   record_saved=record_saved)
     actions = {"F": run.forward, "B": run.backward, "I": run.backward, "W": run.weight}
     try:
         for step, a in enumerate(s.actions[run.rank]):
@@ -309,7 +315,7 @@ def run_schedule(s: Schedule, chunks: dict[int, GPT], tokens: torch.Tensor, targ
             run.timeline.record(a)  # its times, and the bytes still saved for backward
         run.mail.flush()
     finally:
-        run.timeline.saved.close()
+        run.timeline.close()
     allreduce_embedding_grads(chunks, embedding_group)
     return run.losses, run.timeline.events
 

@@ -20,7 +20,7 @@ class Event(NamedTuple):
     computation ended and when the action ended (later if it was padded to a fixed duration), on
     ``time.perf_counter``, the machine's monotonic clock, the same in every process; and the bytes of
     activations the rank's transformer blocks still had saved for backward afterwards, measured by
-    :class:`SavedActivations`."""
+    :class:`SavedActivations` (``None`` where the timeline did not measure them)."""
 
     kind: str
     chunk: int
@@ -29,7 +29,7 @@ class Event(NamedTuple):
     start: float
     computed: float
     end: float
-    saved_bytes: int
+    saved_bytes: int | None
 
 
 class _Saved:
@@ -96,10 +96,11 @@ class SavedActivations:
 
 class Timeline:
     """A rank's :class:`Event` s: the times around each action's computation, padded by a sleep to the
-    stage's fixed time for its kind where ``seconds`` gives one, and the bytes saved after it."""
+    stage's fixed time for its kind where ``seconds`` gives one, and, with ``record_saved``, the bytes saved
+    after it."""
 
-    def __init__(self, chunks, seconds: dict):
-        self.saved = SavedActivations(chunks)
+    def __init__(self, chunks, seconds: dict, record_saved: bool = True):
+        self.saved = SavedActivations(chunks) if record_saved else None
         self.seconds, self.events = seconds, []
         self.waited = time.perf_counter()
 
@@ -114,5 +115,9 @@ class Timeline:
 
     def record(self, a: Action) -> None:
         self.events.append(Event(a.kind, a.chunk, a.micro_batch, self.waited, self.start, self.computed,
-                                 self.end, self.saved.bytes))
+                                 self.end, None if self.saved is None else self.saved.bytes))
         self.waited = time.perf_counter()  # the next action starts waiting for its input
+
+    def close(self) -> None:
+        if self.saved is not None:
+            self.saved.close()
