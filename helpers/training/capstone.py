@@ -1,0 +1,379 @@
+"""The capstone (chapter 15): one run, configured in one place, validated before any rank starts, and trained
+by the modules of chapters 03-12, imported.
+
+- :class:`Run` is what a reader changes: the size of the book's GPT, the mesh (``pp × dp × tp``, sequence
+  parallelism), the step (global batch, ``m`` micro-batches, chapter 06's schedule and its ``vpp``), the
+  precision, the optimizer (AdamW with chapter 03's DDP or chapter 04's ZeRO-1, or chapter 12's Muon) and the
+  steps. Making one runs :func:`validate`, which raises a ``ValueError`` naming the broken constraint. The
+  constraints are the modules' own, called, not restated: the model's (``GPTConfig``), the layout's and
+  chapter 01's rules (``memory_budget.Layout`` and ``validate``, through ``helpers.layout_rules``), the
+  mesh's (``Mesh``), the schedule's and Muon's owners; the few this composition adds are stated once, here.
+- :func:`train` is the run on one rank: chapter 10's mesh and composition (``composition.apply``,
+  ``my_batch``, ``reduce_gradients``, ``optimizer``) with chapter 06's executor on the run's schedule, by the
+  book's one loop (``reference.train_steps``). It keeps what chapter 15 checks: every step's loss, the
+  parameters every ``every`` steps, and of one measured step the ledger's bytes by mesh dimension, the memory
+  the rank holds (chapter 04's ``LiveMemory``) and its pipeline events (chapter 06's ``Timeline``).
+- :func:`reference_run` is the single process on the same batches, by the same loop; :func:`differences` and
+  :func:`reference_shards` compare the two, in the kernel or on a rank.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from helpers import dist as book_dist
+from helpers import layout_rules, memory_budget, model_size
+from helpers.data import make_tokens
+from helpers.model import GPT, GPTConfig
+from helpers.parallel import composition, pipeline_parallel, pipeline_schedules, tensor_parallel
+from helpers.parallel.ledger import LEDGER
+from helpers.parallel.mesh import MESH_ORDER, Mesh
+from helpers.parallel.zero import LiveMemory
+from helpers.reference import batches, named_params, train_steps
+from helpers.training import distributed_muon, optimizers
+
+PRECISIONS = {"fp64": torch.float64, "fp32": torch.float32}
+SCHEDULES = {"gpipe": pipeline_schedules.gpipe, "1f1b": pipeline_schedules.one_f_one_b,
+             "interleaved": pipeline_schedules.interleaved_1f1b}
+OPTIMIZERS = ("adamw", "muon")
+MEASURED_STEP = 1  # the second step: the first also creates the optimizer's state
+TOLERANCES = {"fp64": {"loss": 1e-12, "params": 1e-10}, "fp32": {"loss": 1e-6, "params": 2e-3}}
+"""``rtol`` of each comparison with one process, by precision, relative to each tensor's largest entry
+(chapter 15 says why each is what it is)."""
+
+
+@dataclass(frozen=True)
+class Run:
+    """One training run of the book's GPT on a ``pp × dp × tp`` mesh, as a reader configures it."""
+
+    # the model: the book's GPT (helpers.model.GPTConfig)
+    n_layers: int = 2
+    d_model: int = 64
+    n_heads: int = 8
+    n_kv_heads: int = 4
+    d_ff: int = 256
+    seq_len: int = 16
+    # the mesh, in torchtitan's order, and sequence parallelism inside tp
+    pp: int = 2
+    dp: int = 2
+    tp: int = 2
+    sequence_parallel: bool = True
+    # one step: sequences over all data-parallel ranks, micro-batches through the pipeline, its schedule
+    global_batch: int = 8
+    m: int = 2
+    schedule: str = "1f1b"
+    vpp: int = 1
+    # precision and optimizer
+    precision: str = "fp64"
+    optimizer: str = "adamw"
+    zero: int = 1
+    lr: float = 1e-2
+    # how long, and how often the parameters are compared
+    steps: int = 100
+    every: int = 10
+
+    def __post_init__(self):
+        validate(self)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return PRECISIONS[self.precision]
+
+    def model_config(self) -> GPTConfig:
+        return GPTConfig(seq_len=self.seq_len, n_layers=self.n_layers, d_model=self.d_model,
+                         n_heads=self.n_heads, n_kv_heads=self.n_kv_heads, d_ff=self.d_ff)
+
+    def mesh_shape(self) -> tuple[tuple[int, ...], tuple[str, ...]]:
+        """The mesh's shape and names: the dimensions of more than one rank, ``dp`` as ``dp_shard``."""
+        dims = [(n, d) for n, d in (("pp", self.pp), ("dp_shard", self.dp), ("tp", self.tp)) if d > 1]
+        return tuple(d for _, d in dims), tuple(n for n, _ in dims)
+
+    def layout(self) -> memory_budget.Layout:
+        """The run as chapter 01's calculator describes a layout."""
+        return memory_budget.Layout(dp=self.dp, tp=self.tp, pp=self.pp, vpp=self.vpp, zero=self.zero,
+                                    sp=self.sequence_parallel,
+                                    schedule="gpipe" if self.schedule == "gpipe" else "1f1b")
+
+    def batch(self) -> model_size.Batch:
+        return model_size.Batch(self.seq_len, self.global_batch // (self.dp * self.m), self.global_batch)
+
+    def plan(self) -> composition.Plan:
+        """Chapter 10's plan: Muon's AdamW part is ZeRO-1, so its gradients are reduced in its step too."""
+        return composition.Plan(m=self.m, sequence_parallel=self.sequence_parallel,
+                                zero=self.zero if self.optimizer == "adamw" else 1)
+
+
+def _choice(name: str, value, allowed) -> None:
+    if value not in allowed:
+        raise ValueError(f"{name}={value!r} is not one of {', '.join(map(repr, allowed))}")
+
+
+def validate(run: Run, world_size: int | None = None) -> None:
+    """Raise a ValueError naming the first constraint ``run`` breaks (and, given ``world_size``, whether its
+    mesh holds that many ranks). Needs no ranks."""
+    for name, allowed in (("precision", PRECISIONS), ("schedule", SCHEDULES), ("optimizer", OPTIMIZERS)):
+        _choice(name, getattr(run, name), tuple(allowed))
+    layout_rules.require_positive(steps=run.steps, every=run.every, m=run.m, global_batch=run.global_batch)
+    if run.steps < 2:
+        raise ValueError(f"steps={run.steps}: the run measures its step {MEASURED_STEP} (the first also "
+                         f"creates the optimizer's state), so it needs at least 2")
+    layout_rules.require_divides("every", run.every, "steps", run.steps,
+                                 "the parameters are compared every `every` steps, and after the last")
+    if not run.lr > 0:
+        raise ValueError(f"lr={run.lr} must be positive")
+    cfg = run.model_config()  # the model's own refusals
+    layout = run.layout()  # the layout's: SP needs tp > 1, vpp > 1 needs pp > 1, a ZeRO stage
+    if world_size is not None:
+        Mesh(*run.mesh_shape(), world_size=world_size)  # the mesh's: its ranks are the world's
+    if run.zero not in (0, 1):
+        raise ValueError(f"zero={run.zero}: chapter 10's composition runs DDP (zero=0) or ZeRO-1 (zero=1); "
+                         f"ZeRO-2 and -3 reduce-scatter each gradient during backward, before "
+                         f"composition.reduce_gradients completes the tensor-parallel ones")
+    if (run.schedule == "interleaved") != (run.vpp > 1):
+        raise ValueError(f"schedule={run.schedule!r} with vpp={run.vpp}: interleaved 1F1B runs vpp >= 2 "
+                         f"chunks per rank, GPipe and 1F1B one (vpp=1)")
+    if run.pp == 1 and run.m > 1:
+        raise ValueError(f"m={run.m} micro-batches go through a pipeline: with pp=1 each rank runs its rows "
+                         f"at once (m=1)")
+    layout_rules.require_divides("dp*m", run.dp * run.m, "global_batch", run.global_batch,
+                                 "each data-parallel rank cuts its rows into m micro-batches")
+    memory_budget.validate(model_size.ModelShape.from_gpt(cfg), run.batch(), layout)  # chapters 05-07's
+    if run.pp > 1:
+        schedule(run)  # chapter 06's own refusals (interleaving: m a multiple of pp)
+    if run.optimizer == "muon":
+        _validate_muon(run)
+
+
+def _validate_muon(run: Run) -> None:
+    if run.tp > 1:
+        raise ValueError(f"optimizer='muon' needs tp=1, not {run.tp}: Muon orthogonalises whole matrices "
+                         f"(chapter 12), and tensor parallelism leaves each rank a slice of them")
+    if run.zero != 1 or run.vpp > 1:
+        raise ValueError(f"optimizer='muon' runs chapter 12's DistributedMuon on one chunk per rank, its "
+                         f"AdamW part ZeRO-1: set zero=1 and vpp=1 (got zero={run.zero}, vpp={run.vpp})")
+    if run.dp > 1:  # every stage's matrices must go round the data-parallel ranks (chapter 12's owners)
+        model = build(run)
+        for stage in range(run.pp):
+            chunk = pipeline_parallel.pipeline_chunk(model, stage, run.pp) if run.pp > 1 else model
+            distributed_muon.assign_owners([p.shape for p in optimizers.muon_params(chunk)[0]], run.dp)
+
+
+def schedule(run: Run) -> pipeline_schedules.Schedule:
+    """Chapter 06's schedule of the run, as data."""
+    if run.schedule == "interleaved":
+        return pipeline_schedules.interleaved_1f1b(run.pp, run.m, run.vpp)
+    return SCHEDULES[run.schedule](run.pp, run.m)
+
+
+def build(run: Run) -> GPT:
+    """The one reference GPT, seeded, in the run's precision."""
+    return GPT(run.model_config(), seed=0).to(run.dtype)
+
+
+def data(run: Run) -> list:
+    """The global batches of every step, the same in the kernel and on every rank."""
+    return batches(make_tokens(), run.steps, run.global_batch, run.seq_len)
+
+
+def make_mesh(run: Run) -> Mesh:
+    """The run's mesh, with every process group made (on every rank, in one order)."""
+    return Mesh(*run.mesh_shape()).make_groups()
+
+
+def _stage(mesh: Mesh) -> int:
+    return dist.get_rank(mesh.group("pp")) if mesh.size("pp") > 1 else 0
+
+
+def apply(model: GPT, mesh: Mesh, run: Run) -> dict[int, GPT]:
+    """This rank's chunks, ``{chunk index: chunk}``: chapter 10's ``composition.apply`` for one chunk per
+    rank; with interleaving, each of the rank's ``vpp`` chunks cut and made tensor-parallel the same way."""
+    if run.vpp == 1:
+        return {_stage(mesh): composition.apply(model, mesh, run.plan())}
+    chunks = {}
+    for c in schedule(run).chunks_of(_stage(mesh)):
+        chunks[c] = pipeline_parallel.pipeline_chunk(model, c, run.pp * run.vpp)
+        if run.tp > 1:
+            tensor_parallel.parallelize(chunks[c], mesh.group("tp"), run.sequence_parallel)
+    return chunks
+
+
+def _holder(chunks: dict[int, GPT]) -> nn.Module:
+    """One module holding the rank's chunks, for its optimizer."""
+    return next(iter(chunks.values())) if len(chunks) == 1 else nn.ModuleList(chunks.values())
+
+
+def _muon(run: Run) -> dict:
+    """Muon's settings: AdamW's learning rate carried over by Moonlight's scale (chapter 12); Newton-Schulz
+    in the run's precision, so that the comparison with one process stays as tight as the rest."""
+    return dict(lr=run.lr, adjust_lr_fn="match_rms_adamw", dtype=run.dtype)
+
+
+def optimizer(module: nn.Module, mesh: Mesh, run: Run):
+    """AdamW by chapter 10's ``composition.optimizer`` (ZeRO-1 over the data-parallel group, or plain); Muon
+    by chapter 12's ``DistributedMuon`` over it (or, on one data-parallel rank, its single-process form)."""
+    if run.optimizer == "adamw":
+        return composition.optimizer(module, mesh, run.plan(), run.lr)
+    if mesh.size("dp_shard_cp") == 1:
+        return reference_optimizer(module, run)
+    return distributed_muon.DistributedMuon(module, mesh.group("dp_shard_cp"), adamw=dict(lr=run.lr),
+                                            **_muon(run))
+
+
+def reference_optimizer(model: nn.Module, run: Run):
+    """The single process's optimizer: ``torch.optim.AdamW``, or Muon with AdamW for the rest."""
+    if run.optimizer == "adamw":
+        return torch.optim.AdamW(model.parameters(), lr=run.lr)
+    matrices, rest = optimizers.muon_params(model)
+    return optimizers.MuonWithAdamW(optimizers.Muon(matrices, **_muon(run)),
+                                    torch.optim.AdamW(rest, lr=run.lr))
+
+
+def forward_backward(chunks: dict[int, GPT], mesh: Mesh, run: Run, x, y, stage_seconds=None):
+    """Chapter 10's ``composition.forward_backward`` on the run's schedule, with the events kept: this
+    rank's loss (``None`` before the last stage) and the :class:`~helpers.parallel.pipeline_timeline.Event` s
+    of its actions. ``stage_seconds`` pads each action to a fixed time (chapter 06), for a timeline that shows
+    the schedule rather than the ranks' competition for the cores."""
+    plan = run.plan()
+    if mesh.size("pp") == 1:
+        return composition.forward_backward(next(iter(chunks.values())), mesh, plan, x, y), []
+    cfg, s, group = run.model_config(), schedule(run), mesh.group("pp")
+    xs, ys, positions = composition.my_batch(x, y, cfg, mesh, plan)
+    tokens = xs.shape[1] // (run.tp if run.sequence_parallel else 1)  # between stages: this rank's positions
+    tied = pipeline_parallel.embedding_group(s.placement, group) if cfg.tie_embeddings else None
+    losses, events = pipeline_parallel.run_schedule(
+        s, chunks, xs, ys, group=group, positions=positions, embedding_group=tied,
+        activation_shape=(xs.shape[0] // run.m, tokens, cfg.d_model), stage_seconds=stage_seconds)
+    for chunk in chunks.values():
+        composition.reduce_gradients(chunk, mesh, plan)
+    return (torch.stack(list(losses.values())).mean() if losses else None), events
+
+
+def _params(chunks: dict[int, GPT]) -> dict[str, torch.Tensor]:
+    return {name: t.cpu() for chunk in chunks.values() for name, t in named_params(chunk).items()}
+
+
+def _blocks(run: Run) -> list[tuple[int, int]]:
+    """The steps run together by one call of the loop: up to each comparison, the measured step alone."""
+    cuts = sorted(set(range(0, run.steps + 1, run.every)) | {MEASURED_STEP, MEASURED_STEP + 1})
+    return list(zip(cuts, cuts[1:]))
+
+
+def train(run: Run, mesh: Mesh, batches_, stage_seconds: dict | None = None) -> dict:
+    """This rank's run: ``run.steps`` optimizer steps on the global batches ``batches_``. Returns where the
+    rank sits, every step's loss (``None`` before the last stage), its parameters every ``run.every`` steps,
+    and of step :data:`MEASURED_STEP` its traffic by mesh dimension (the ledger cleared before it), what it
+    held after backward by kind (from live storages; ``None`` for Muon) and its pipeline events (padded by
+    ``stage_seconds``); and the seconds the other steps took, on the rank's clock."""
+    device = book_dist.device()
+    chunks = apply(build(run).to(device), mesh, run)
+    module = _holder(chunks)
+    opt = optimizer(module, mesh, run)
+    memory = None
+    if run.optimizer == "adamw":  # ZeRO-1's own meter, or one over the plain AdamW
+        memory = getattr(opt, "memory", None) or LiveMemory(module, opt)
+    coordinates = mesh.coordinates(dist.get_rank())
+    out = {"where": {name: coordinates.get(name, 0) for name in MESH_ORDER}, "losses": [], "params": {},
+           "events": [], "held": None, "seconds": 0.0}
+    out["params"][0] = _params(chunks)
+
+    def step(x, y, measured=False):
+        loss, events = forward_backward(chunks, mesh, run, x, y, stage_seconds if measured else None)
+        if measured:
+            out["events"] = [tuple(e) for e in events]
+            out["held"] = memory.held() if memory is not None else None
+        return loss
+
+    for start, stop in _blocks(run):
+        measured = start == MEASURED_STEP
+        if measured:  # every rank starts the measured step together (a barrier moves no data: not booked)
+            dist.barrier()
+        LEDGER.clear()  # one block's messages at a time
+        started = time.perf_counter()
+        out["losses"] += train_steps(None, [(x.to(device), y.to(device)) for x, y in batches_[start:stop]],
+                                     step=lambda x, y: step(x, y, measured), optimizer=opt)
+        out["seconds"] += 0.0 if measured else time.perf_counter() - started
+        if measured:
+            out["traffic"] = composition.traffic_by_dimension(mesh)
+            out["messages"] = composition.messages_by_dimension(mesh)
+        if stop % run.every == 0:
+            out["params"][stop] = _params(chunks)
+    LEDGER.clear()
+    return out
+
+
+def reference_run(run: Run, batches_) -> dict:
+    """One process on the same batches, by the same loop: every step's loss, the parameters every
+    ``run.every`` steps."""
+    model = build(run)
+    opt = reference_optimizer(model, run)
+    out = {"losses": [], "params": {0: named_params(model)}}
+    for start in range(0, run.steps, run.every):
+        out["losses"] += train_steps(model, batches_[start:start + run.every], optimizer=opt)
+        out["params"][start + run.every] = named_params(model)
+    return out
+
+
+def shared_reference(run: Run, batches_) -> dict:
+    """:func:`reference_run` computed once, on rank 0, and sent to every rank (each would only repeat it):
+    what each rank checks its own parameters against."""
+    box = [reference_run(run, batches_) if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def losses(results: list[dict]) -> list[float]:
+    """Each step's loss of the whole batch: the mean of the last stage's ranks' losses (each its rows' mean,
+    the tensor-parallel ranks of one replica holding the same)."""
+    last = [r["losses"] for r in results if r["losses"][0] is not None]
+    return [math.fsum(column) / len(column) for column in zip(*last)]
+
+
+def assembled(results: list[dict], run: Run, step: int) -> tuple[dict, list[dict]]:
+    """The reference's tensors after ``step`` steps, put together from every rank's (chapter 10's
+    ``composition.assemble``), and the same from every other data-parallel replica."""
+    return composition.assemble([{"where": r["where"], "params": r["params"][step]} for r in results],
+                                run.model_config(), "params")
+
+
+def largest_difference(got: dict, want: dict) -> float:
+    """The largest of each tensor's ``max |got - want| / max |want|``: how far the worst tensor is, relative
+    to its own scale (the measure ``check_close`` holds to ``rtol``)."""
+    worst = 0.0
+    for name, w in want.items():
+        scale = w.abs().max().item()
+        worst = max(worst, (got[name].double() - w.double()).abs().max().item() / (scale or 1.0))
+    return worst
+
+
+def differences(results: list[dict], want: dict, run: Run) -> dict:
+    """Per step, ``|loss - loss of one process|``; every ``run.every`` steps, the largest parameter difference
+    (:func:`largest_difference`)."""
+    got = losses(results)
+    return {"loss": [abs(a - b) for a, b in zip(got, want["losses"])],
+            "params": {k: largest_difference(assembled(results, run, k)[0], want["params"][k])
+                       for k in sorted(want["params"])}}
+
+
+def reference_shards(full: dict, run: Run, mesh: Mesh) -> dict:
+    """This rank's slice of each of the single process's tensors, under the rank's names (chapter 05's
+    ``shard_state``; a tied head's copy on the last stage is the embedding's slice)."""
+    if run.tp == 1:
+        shards = dict(full)
+    else:
+        tp_rank = dist.get_rank(mesh.group("tp"))
+        shards = tensor_parallel.shard_state(full, run.model_config(), tp_rank, run.tp)
+    if run.model_config().tie_embeddings:
+        shards["lm_head.weight"] = shards["tok_emb.weight"]
+    return shards
+
+
+__all__ = ["PRECISIONS", "SCHEDULES", "OPTIMIZERS", "MEASURED_STEP", "TOLERANCES", "Run", "validate",
+           "schedule", "build", "data", "make_mesh", "apply", "optimizer", "reference_optimizer",
+           "forward_backward", "train", "reference_run", "shared_reference", "losses", "assembled",
+           "largest_difference", "differences", "reference_shards"]

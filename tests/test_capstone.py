@@ -1,0 +1,125 @@
+"""The capstone's run (chapter 15): its configuration validated without a rank, and changed runs trained on 8.
+
+Validation needs no ranks: a configuration a reader changes (tensor parallelism 4 with two pipeline stages,
+GPipe, interleaving, fp32, DDP, Muon) still validates on a world of 8, and an invalid one is refused with a
+ValueError naming the broken constraint and its numbers, whichever module owns it (the model, the layout, the
+mesh, chapter 01's rules, chapter 06's schedule, chapter 12's owners, or the composition itself).
+
+On 8 ranks, a few changed runs train for a handful of steps and match one process on the same batches, within
+the chapter's tolerances (fp64: the loss within 1e-12 relative, every parameter within 1e-10 of its tensor's
+largest entry); and with chapter 04's shard offset broken (each rank starts its ZeRO-1 master copy from its
+neighbour's rows) the capstone's comparison fails by far more than its tolerance: a broken module fails the
+capstone, not only its own chapter.
+"""
+
+import dataclasses
+
+import ipyparallel as ipp
+import pytest
+
+from helpers.training import capstone
+
+VALID = {
+    "TP 4 x PP 2": dict(tp=4, dp=1),
+    "TP 8, no pipeline": dict(tp=8, dp=1, pp=1, m=1),
+    "GPipe, 4 micro-batches": dict(schedule="gpipe", m=4),
+    "interleaved 1F1B": dict(schedule="interleaved", vpp=2, n_layers=4),
+    "fp32": dict(precision="fp32"),
+    "DDP without SP": dict(zero=0, sequence_parallel=False),
+    "Muon, TP 1": dict(optimizer="muon", tp=1, dp=4, sequence_parallel=False),
+    "data parallelism alone": dict(pp=1, tp=1, dp=8, m=1, sequence_parallel=False),
+}
+
+
+@pytest.mark.parametrize("change", VALID.values(), ids=VALID.keys())
+def test_a_changed_configuration_still_validates(change):
+    run = capstone.Run(**change)
+    capstone.validate(run, world_size=8)
+    shape, names = run.mesh_shape()
+    assert run.dp * run.tp * run.pp == 8 and len(shape) == len(names)
+
+
+INVALID = {  # the change, and what the error must say
+    "TP 4 x DP 2 x PP 2 on 8 ranks": (dict(tp=4), r"holds 2 \* 2 \* 4 = 16 ranks, but the world has 8"),
+    "tp not dividing the heads": (dict(tp=3), r"tp=3 must divide n_heads=8"),
+    "micro-batches not dividing the batch": (dict(m=3), r"dp\*m=6 must divide global_batch=8"),
+    "ZeRO-3 in the composition": (dict(zero=3), r"zero=3: chapter 10's composition runs DDP"),
+    "Muon with tensor parallelism": (dict(optimizer="muon"), r"optimizer='muon' needs tp=1, not 2"),
+    "Muon with more owners than matrices": (dict(optimizer="muon", tp=1, pp=1, m=1, dp=8, n_layers=1,
+                                                 sequence_parallel=False),
+                                            r"8 owner ranks for 6 Muon matrices"),
+    "more chunks than layers": (dict(schedule="interleaved", vpp=2), r"n_chunks=4 \(pp·vpp\) must not exceed "
+                                                                     r"n_layers=2"),
+    "interleaving with too few micro-batches": (dict(schedule="interleaved", vpp=2, n_layers=4, m=1),
+                                                r"micro-batches per step \(1\) to be a multiple of pp=2"),
+    "vpp without interleaving": (dict(vpp=2, n_layers=4), r"interleaved 1F1B runs vpp >= 2 chunks"),
+    "SP without TP": (dict(tp=1, dp=4), r"sequence parallelism .* needs tp > 1"),
+    "micro-batches without a pipeline": (dict(pp=1, dp=4), r"m=2 micro-batches go through a pipeline"),
+    "an unknown precision": (dict(precision="bf16"), r"precision='bf16' is not one of 'fp64', 'fp32'"),
+    "heads not dividing d_model": (dict(d_model=60), r"n_heads=8 must divide d_model=60"),
+    "comparisons not dividing the steps": (dict(steps=95), r"every=10 must divide steps=95"),
+    "one step": (dict(steps=1, every=1), r"steps=1: the run measures its step 1"),
+}
+
+
+@pytest.mark.parametrize("change, message", INVALID.values(), ids=INVALID.keys())
+def test_an_invalid_configuration_is_refused_with_the_constraint_named(change, message):
+    with pytest.raises(ValueError, match=message):
+        capstone.validate(dataclasses.replace(capstone.Run(), **change), world_size=8)
+
+
+def test_the_loop_measures_one_step_alone_and_compares_every_k():
+    run = capstone.Run(steps=20, every=5)
+    blocks = capstone._blocks(run)
+    assert blocks == [(0, 1), (1, 2), (2, 5), (5, 10), (10, 15), (15, 20)]
+    assert (capstone.MEASURED_STEP, capstone.MEASURED_STEP + 1) in blocks
+
+
+@ipp.interactive  # sent by value: the engines cannot import this test module
+def _train(run, break_shard_offset=False):
+    from helpers.parallel import zero
+    from helpers.training import capstone
+
+    mesh = capstone.make_mesh(run)
+    correct = zero.shard_of
+    if break_shard_offset:  # each rank's master copy starts from its neighbour's rows
+        zero.shard_of = lambda full, rank, world_size: correct(full, (rank + 1) % world_size, world_size)
+    try:
+        return capstone.train(run, mesh, capstone.data(run), stage_seconds={"F": 0.02, "B": 0.04})
+    finally:
+        zero.shard_of = correct
+
+
+@ipp.interactive
+def _shard_of_name():
+    from helpers.parallel import zero
+
+    return zero.shard_of.__name__
+
+
+TRAINED = {
+    "TP 4 x PP 2, GPipe": dict(tp=4, dp=1, schedule="gpipe", m=4),
+    "interleaved 1F1B, DDP": dict(schedule="interleaved", vpp=2, n_layers=4, zero=0),
+    "Muon, PP 2 x DP 4": dict(optimizer="muon", tp=1, dp=4, sequence_parallel=False),
+}
+
+
+@pytest.mark.parametrize("change", TRAINED.values(), ids=TRAINED.keys())
+def test_a_changed_run_matches_one_process(eight, change):
+    run = capstone.Run(**change, steps=4, every=2)
+    results = eight.apply(_train, run)
+    want = capstone.reference_run(run, capstone.data(run))
+    diff = capstone.differences(results, want, run)
+    tol = capstone.TOLERANCES[run.precision]
+    assert max(d / w for d, w in zip(diff["loss"], want["losses"])) <= tol["loss"]
+    assert max(diff["params"].values()) <= tol["params"], diff["params"]
+    assert all(r["events"] for r in results), "every pipeline rank recorded its measured step"
+
+
+def test_a_broken_shard_offset_fails_the_capstone(eight):
+    run = capstone.Run(steps=4, every=2)
+    results = eight.apply(_train, run, True)
+    assert eight.apply(_shard_of_name) == ["shard_of"] * 8, "the module is restored on every rank"
+    diff = capstone.differences(results, capstone.reference_run(run, capstone.data(run)), run)
+    assert diff["params"][0] == 0.0  # the model starts right: only the optimizer's shards are wrong
+    assert diff["params"][2] > 1e6 * capstone.TOLERANCES[run.precision]["params"], diff["params"]
