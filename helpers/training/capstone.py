@@ -265,11 +265,11 @@ def _blocks(run: Run) -> list[tuple[int, int]]:
 
 
 def train(run: Run, mesh: Mesh, batches_, stage_seconds: dict | None = None) -> dict:
-    """This rank's run: ``run.steps`` optimizer steps on the global batches ``batches_``. Returns where the
-    rank sits, every step's loss (``None`` before the last stage), its parameters every ``run.every`` steps,
-    and of step :data:`MEASURED_STEP` its traffic by mesh dimension (the ledger cleared before it), what it
-    held after backward by kind (from live storages; ``None`` for Muon) and its pipeline events (padded by
-    ``stage_seconds``); and the seconds the other steps took, on the rank's clock."""
+    """This rank's run: ``run.steps`` optimizer steps on the global batches ``batches_``. Returns the rank
+    and where it sits, every step's loss (``None`` before the last stage), its parameters every ``run.every``
+    steps, and of step :data:`MEASURED_STEP` its traffic by mesh dimension (the ledger cleared before it),
+    what it held after backward by kind (from live storages; ``None`` for Muon) and its pipeline events
+    (padded by ``stage_seconds``); and the seconds the other steps took, on the rank's clock."""
     device = book_dist.device()
     chunks = apply(build(run).to(device), mesh, run)
     module = _holder(chunks)
@@ -278,8 +278,8 @@ def train(run: Run, mesh: Mesh, batches_, stage_seconds: dict | None = None) -> 
     if run.optimizer == "adamw":  # ZeRO-1's own meter, or one over the plain AdamW
         memory = getattr(opt, "memory", None) or LiveMemory(module, opt)
     coordinates = mesh.coordinates(dist.get_rank())
-    out = {"where": {name: coordinates.get(name, 0) for name in MESH_ORDER}, "losses": [], "params": {},
-           "events": [], "held": None, "seconds": 0.0}
+    out = {"rank": dist.get_rank(), "where": {name: coordinates.get(name, 0) for name in MESH_ORDER},
+           "losses": [], "params": {}, "events": [], "held": None, "seconds": 0.0}
     out["params"][0] = _params(chunks)
 
     def step(x, y, measured=False):
@@ -336,9 +336,14 @@ def losses(results: list[dict]) -> list[float]:
 
 def assembled(results: list[dict], run: Run, step: int) -> tuple[dict, list[dict]]:
     """The reference's tensors after ``step`` steps, put together from every rank's (chapter 10's
-    ``composition.assemble``), and the same from every other data-parallel replica."""
-    return composition.assemble([{"where": r["where"], "params": r["params"][step]} for r in results],
-                                run.model_config(), "params")
+    ``composition.assemble``), and the same from every other data-parallel replica; a tied head's copy on the
+    last stage is left out (it is not one of the reference's tensors: it is checked against the embedding)."""
+    cfg = run.model_config()
+    states = [{"where": r["where"], "params": r["params"][step]} for r in results]
+    whole, others = composition.assemble(states, cfg, "params")
+    for part in [whole, *others] if cfg.tie_embeddings else []:
+        part.pop("lm_head.weight", None)
+    return whole, others
 
 
 def largest_difference(got: dict, want: dict) -> float:
