@@ -3,6 +3,7 @@ estimators against exact expectations, the refusals of bad input, and the tiny R
 its reward, its sampling, and one data-parallel step on two ranks against one process (fp64: the ranks sum
 their terms in another order, so within 1e-10 of each tensor's largest entry, not bit for bit)."""
 
+import functools
 import math
 
 import ipyparallel as ipp
@@ -11,7 +12,7 @@ import torch
 
 from conftest import assert_close_to_scale
 from helpers.model import GPT, GPTConfig
-from helpers.reference import named_params
+from helpers.reference import named_grads, named_params
 from helpers.training import grpo
 from helpers.training import rl_objectives as rl
 
@@ -267,38 +268,51 @@ def test_expected_reward_is_the_probability_of_the_right_answer():
 
 
 @ipp.interactive  # sent by value: the engines cannot import this test module
-def _data_parallel(cfg, algo, steps, n_prompts, per_prompt):
+def _data_parallel(cfg, state, algo, steps, n_prompts, per_prompt):
     import torch
     import torch.distributed as dist
 
     from helpers.model import GPT
-    from helpers.reference import named_params
+    from helpers.reference import named_grads, named_params
     from helpers.training import grpo
 
     model = GPT(cfg, seed=0).double()
+    model.load_state_dict(state)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
     out = [grpo.rl_step(model, optimizer, algo, step, n_prompts=n_prompts, responses_per_prompt=per_prompt,
                         group=dist.group.WORLD) for step in range(steps)]
-    return named_params(model), [o["losses"] for o in out], [o["responses"] for o in out]
+    return named_params(model), named_grads(model), [o["losses"] for o in out], [o["responses"] for o in out]
+
+
+@functools.cache
+def _warm_state():
+    """The policy every run starts from, warm-started here once and sent to the ranks (a random one never
+    answers right, and would give every prompt equal rewards: nothing to compare)."""
+    model = GPT(CFG, seed=0).double()
+    grpo.warm_start(model, 60, 64, 1e-2)
+    return {k: v.clone() for k, v in model.state_dict().items()}
 
 
 @pytest.mark.parametrize("algo", [grpo.GRPO, grpo.DAPO], ids=lambda a: a.name)
 def test_data_parallel_rl_step_matches_one_process(ranks, algo):
-    steps, n_prompts, per_prompt = 2, 6, 4
+    steps, n_prompts, per_prompt = 2, 8, 4
+    state = _warm_state()
     model = GPT(CFG, seed=0).double()
+    model.load_state_dict(state)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
     single = [grpo.rl_step(model, optimizer, algo, step, n_prompts=n_prompts, responses_per_prompt=per_prompt)
               for step in range(steps)]
-    results = ranks.apply(_data_parallel, CFG, algo, steps, n_prompts, per_prompt)
+    assert all(s["informative"] > 0 for s in single), "all rewards equal per prompt: a vacuous test"
+    results = ranks.apply(_data_parallel, CFG, state, algo, steps, n_prompts, per_prompt)
     for step in range(steps):
-        union = torch.cat([r[2][step].view(n_prompts, per_prompt // 2, -1) for r in results], dim=1)
+        union = torch.cat([r[3][step].view(n_prompts, per_prompt // 2, -1) for r in results], dim=1)
         assert torch.equal(union.flatten(0, 1), single[step]["responses"]), f"step {step}: rollouts differ"
-    for params, losses, _ in results:
+    for params, grads, losses, _ in results:
         assert_close_to_scale(params, named_params(model), rtol=1e-10, what=f"{algo.name} parameters")
+        assert_close_to_scale(grads, named_grads(model), rtol=1e-10, what=f"{algo.name} last gradients")
         got, want = torch.tensor(losses, **F64), torch.tensor([s["losses"] for s in single], **F64)
         assert torch.allclose(got, want, rtol=1e-10, atol=1e-12), (
             f"losses {got.tolist()}, want {want.tolist()}")
-
 
 
 @ipp.interactive
