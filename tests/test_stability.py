@@ -67,13 +67,13 @@ def test_qk_clip_leaves_heads_at_or_under_tau_and_negative_maxima_alone():
     assert gamma.tolist() == [1.0, 1.0, 1.0, 1.0, 0.5]
 
 
-def test_qk_clip_grouped_heads_take_the_groups_largest_logit():
+def test_qk_clip_query_heads_sharing_a_key_head_take_their_largest_logit():
     attn = Attention(d_model=4, n_heads=4, n_kv_heads=2, head_dim=1)  # query heads 0, 1 share key head 0
     with torch.no_grad():
         attn.q_proj.weight.copy_(torch.eye(4))
         attn.k_proj.weight.copy_(torch.ones(2, 4))
     gamma = stability.qk_clip_(attn, torch.tensor([10.0, 400.0, 100.0, 25.0]), tau=100.0)
-    assert gamma.tolist() == [0.25, 0.25, 1.0, 1.0]  # group 0: max 400; group 1: max 100, not above tau
+    assert gamma.tolist() == [0.25, 0.25, 1.0, 1.0]  # key head 0: max 400; key head 1: 100, not above tau
     assert attn.q_proj.weight.diagonal().tolist() == [0.5, 0.5, 1.0, 1.0]
     assert attn.k_proj.weight.tolist() == [[0.5] * 4, [1.0] * 4]
 
@@ -91,8 +91,8 @@ def test_qk_clip_brings_the_measured_max_logit_to_tau():
     assert before.max() > 100
     stability.qk_clip_(attn, before, tau=100.0)
     attn(x)
-    group_max = before.view(2, 2).amax(1).repeat_interleave(2)
-    want = torch.where(group_max > 100, before * 100 / group_max, before)  # each group's largest lands on tau
+    shared_max = before.view(2, 2).amax(1).repeat_interleave(2)  # over the query heads of each key head
+    want = torch.where(shared_max > 100, before * 100 / shared_max, before)  # their largest lands on tau
     assert torch.allclose(core.max_logit, want, rtol=1e-12)
 
 

@@ -10,7 +10,8 @@ Every fix is a transformation of the one GPT of :mod:`helpers.model` through its
 - the loss seam (``GPT.loss_fn``) becomes :func:`stable_loss`: the output logits optionally soft-capped
   (Gemma 2: ``c = 30``), cross-entropy plus PaLM's z-loss ``1e-4 log^2 Z``, and ``log Z`` recorded;
 - after the optimizer's step, :func:`qk_clip_` rescales ``W_q`` and ``W_k`` of a head whose largest logit
-  passed ``tau`` (Kimi K2's QK-clip; for grouped KV heads, Megatron-LM's rule: the group's largest logit).
+  passed ``tau`` (Kimi K2's QK-clip; for a KV head shared by ``n_rep`` query heads, Megatron-LM's rule: the
+  largest logit among them).
 
 :func:`train` runs the book's loop (:func:`helpers.reference.train_steps`) with the fixes a :class:`Fixes`
 names (warm-up, global-norm clipping, Adam's betas and epsilon, skipping a step whose gradient norm is an
@@ -141,8 +142,8 @@ def qk_clip_(attn: nn.Module, max_logit: torch.Tensor, tau: float = 100.0) -> to
 
     Kimi K2 (multi-head attention): a head ``h`` with ``S_max^h > tau`` has ``W_q^h`` and ``W_k^h`` each
     multiplied by ``sqrt(gamma_h)``, ``gamma_h = tau / S_max^h``, so its logits, bilinear in the two, shrink
-    by ``gamma_h``. A key head shared by ``n_rep`` query heads (GQA) takes Megatron-LM's rule: the group's
-    largest logit decides one ``gamma`` for the key head and all its query heads.
+    by ``gamma_h``. A key head shared by ``n_rep`` query heads (GQA) takes Megatron-LM's rule: the largest
+    logit among those query heads decides one ``gamma`` for the key head and all of them.
     """
     n_kv = attn.k_proj.weight.shape[0] // attn.head_dim
     n_rep = max_logit.numel() // n_kv
@@ -197,7 +198,7 @@ def is_outlier(loss: list[float], grad_norm: list[float], sigmas: float, window:
 
 
 def layer_of(name: str) -> str:
-    """The group a parameter's statistics are reported under: ``embeddings``, ``block i`` or ``head``."""
+    """The layer a parameter's statistics are reported under: ``embeddings``, ``block i`` or ``head``."""
     if name.startswith("blocks."):
         return f"block {name.split('.')[1]}"
     return "embeddings" if name.startswith(("tok_emb", "pos_emb")) else "head"
