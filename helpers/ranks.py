@@ -53,6 +53,16 @@ class Ranks:
         self.view = client[list(range(world_size))]  # engine id i is rank i (see start_ranks)
         self.view.block = True
         self.pids = self.view.apply_sync(os.getpid)
+        self._kernel_threads = None  # the kernel's torch threads before these ranks took the cores
+
+    def share_cores(self, threads: int) -> None:
+        """The kernel runs its single-process references beside the ranks: give it ``threads`` torch threads,
+        as each engine has, until :meth:`stop`. With more, its OpenMP threads wait for each other by spinning
+        on cores the engines need, and a small reference runs many times slower beside busy ranks."""
+        import torch
+
+        self._kernel_threads = torch.get_num_threads()
+        torch.set_num_threads(threads)
 
     def pull(self, name: str) -> list:
         """The value of ``name`` on every rank, as a list indexed by rank."""
@@ -114,6 +124,10 @@ class Ranks:
                 self._janitor.terminate()
                 self._janitor.wait()
                 shutil.rmtree(self.run_dir, ignore_errors=True)
+                if self._kernel_threads is not None:
+                    import torch
+
+                    torch.set_num_threads(self._kernel_threads)
                 if _current is self:
                     _current = None
 
@@ -226,6 +240,7 @@ def start_ranks(world_size: int = 4, *, timeout_s: float | None = None, activate
         for result in pending:
             result.get(timeout=max(1.0, deadline - time.monotonic()))
         ranks = Ranks(cluster, client, world_size, run_dir, janitor, server)
+        ranks.share_cores(threads)
     finally:
         if ranks is None:
             _kill(engine_pids)

@@ -15,6 +15,7 @@ import socket
 import ipyparallel as ipp
 import psutil
 import pytest
+import torch
 
 from helpers import forkserver
 from helpers.ranks import start_ranks
@@ -178,13 +179,17 @@ def test_ranks_without_a_shared_server_start_and_stop_their_own(monkeypatch):
     """A notebook opened alone in JupyterLab has no shared server: the ranks fork from one of their own, and
     stopping them ends it and removes its socket with their folder."""
     monkeypatch.delenv(forkserver.ENV)
+    torch.set_num_threads(2)
     ranks = start_ranks(2, timeout_s=10, activate=False)
     try:
         server = ranks._server.process
         assert {p.ppid() for p in map(psutil.Process, ranks.pids)} == {server.pid}
         assert ranks.apply(_all_reduce_rank_plus_one) == [(0, 3.0), (1, 3.0)]
+        # while they run, the kernel has as many torch threads as each engine: no spinning beside them
+        assert [torch.get_num_threads()] * 2 == ranks.apply(torch.get_num_threads)
     finally:
         ranks.stop()
+    assert torch.get_num_threads() == 2  # given back
     assert server.poll() is not None and not os.path.exists(ranks.run_dir)
     assert wait_until_gone() == []
 
