@@ -234,11 +234,13 @@ def reference_optimizer(model: nn.Module, run: Run):
                                     torch.optim.AdamW(rest, lr=run.lr))
 
 
-def forward_backward(chunks: dict[int, GPT], mesh: Mesh, run: Run, x, y, stage_seconds=None):
+def forward_backward(chunks: dict[int, GPT], mesh: Mesh, run: Run, x, y, stage_seconds=None,
+                     measured: bool = False):
     """Chapter 10's ``composition.forward_backward`` on the run's schedule, with the events kept: this
     rank's loss (``None`` before the last stage) and the :class:`~helpers.parallel.pipeline_timeline.Event` s
     of its actions. ``stage_seconds`` pads each action to a fixed time (chapter 06), for a timeline that shows
-    the schedule rather than the ranks' competition for the cores."""
+    the schedule rather than the ranks' competition for the cores; only a ``measured`` step has its saved
+    activations measured (chapter 06's ``record_saved``)."""
     plan = run.plan()
     if mesh.size("pp") == 1:
         return composition.forward_backward(next(iter(chunks.values())), mesh, plan, x, y), []
@@ -248,7 +250,8 @@ def forward_backward(chunks: dict[int, GPT], mesh: Mesh, run: Run, x, y, stage_s
     tied = pipeline_parallel.embedding_group(s.placement, group) if cfg.tie_embeddings else None
     losses, events = pipeline_parallel.run_schedule(
         s, chunks, xs, ys, group=group, positions=positions, embedding_group=tied,
-        activation_shape=(xs.shape[0] // run.m, tokens, cfg.d_model), stage_seconds=stage_seconds)
+        activation_shape=(xs.shape[0] // run.m, tokens, cfg.d_model), stage_seconds=stage_seconds,
+        record_saved=measured)
     for chunk in chunks.values():
         composition.reduce_gradients(chunk, mesh, plan)
     return (torch.stack(list(losses.values())).mean() if losses else None), events
@@ -283,7 +286,8 @@ def train(run: Run, mesh: Mesh, batches_, stage_seconds: dict | None = None) -> 
     out["params"][0] = _params(chunks)
 
     def step(x, y, measured=False):
-        loss, events = forward_backward(chunks, mesh, run, x, y, stage_seconds if measured else None)
+        loss, events = forward_backward(chunks, mesh, run, x, y, stage_seconds if measured else None,
+                                        measured=measured)
         if measured:
             out["events"] = [tuple(e) for e in events]
             out["held"] = memory.held() if memory is not None else None
