@@ -30,7 +30,9 @@ import tempfile
 import time
 
 ENV = "BOOK_FORKSERVER"
-PRELOAD = ("torch", "torch.distributed", "numpy", "ipyparallel.engine.app")
+# torch.distributed.tensor too: reference.named_params reads DTensors on every rank of ten chapters, and its
+# first import there took 3-6 s of a loaded machine (0.9 s alone); it starts no thread
+PRELOAD = ("torch", "torch.distributed", "torch.distributed.tensor", "numpy", "ipyparallel.engine.app")
 SOCKET_NAME = "forkserver.sock"
 REQUEST = {"argv": list, "env": dict, "cwd": str, "log": str}  # what a request holds, and of which type
 
