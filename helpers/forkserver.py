@@ -30,9 +30,11 @@ import tempfile
 import time
 
 ENV = "BOOK_FORKSERVER"
-# torch.distributed.tensor too: reference.named_params reads DTensors on every rank of ten chapters, and its
-# first import there took 3-6 s of a loaded machine (0.9 s alone); it starts no thread
-PRELOAD = ("torch", "torch.distributed", "torch.distributed.tensor", "numpy", "ipyparallel.engine.app")
+# torch.distributed.tensor and torch._dynamo too: reference.named_params reads DTensors on every rank of ten
+# chapters, and a process's first torch.optim optimizer imports torch._dynamo; each import took seconds of a
+# loaded machine on every rank (0.9 s and 1.7 s alone, here). Neither starts a thread.
+PRELOAD = ("torch", "torch.distributed", "torch.distributed.tensor", "torch._dynamo", "numpy",
+           "ipyparallel.engine.app")
 SOCKET_NAME = "forkserver.sock"
 REQUEST = {"argv": list, "env": dict, "cwd": str, "log": str}  # what a request holds, and of which type
 
