@@ -4,10 +4,9 @@ the same model, seed and data, timed alternately, and checked once against each 
 Each row function runs on every rank of the default group and returns the same dict on every rank: ``ours``
 and ``theirs``, the seconds of each timed run in the order they ran (each the slowest rank's), and what else
 the row measures (``bytes`` of a message, ``memory``: each side's model-state bytes on its fullest rank).
-:func:`alternate` does the timing: a warm-up run of each, then ``ours, theirs, ours, theirs, …``, every run
-started together on every rank (a barrier, outside the timed region). The models and sizes are the chapters'
-own (chapter 02's ring, 03's DDP, 04's ZeRO, 05's tensor parallelism, 06's pipelines, 12's Muon); the page is
-:mod:`helpers.tools.bench`.
+The timing is :mod:`helpers.tools.bench_timing`'s: a warm-up run of each, then ``ours, theirs, ours, …``,
+every run started together on every rank. The models and sizes are the chapters' own (chapter 02's ring, 03's
+DDP, 04's ZeRO, 05's tensor parallelism, 06's pipelines, 12's Muon); the page is :mod:`helpers.tools.bench`.
 
 Before a row returns, its two sides' results after the timed runs (the all-reduced buffer, the gradients,
 the parameters) are compared with :func:`helpers.checks.check_close`: a bench never times a wrong
@@ -16,16 +15,14 @@ implementation.
 
 from __future__ import annotations
 
-import time
-
 import torch
 import torch.distributed as dist
 
 from helpers.checks import check_close
-from helpers.data import get_batch, make_tokens, rank_rows
+from helpers.data import get_batch, make_tokens
 from helpers.model import GPT, GPTConfig, cross_entropy
-from helpers.parallel.ledger import LEDGER
 from helpers.reference import named_grads, named_params
+from helpers.tools.bench_timing import alternate, batch_rows, model_state_bytes
 
 # The chapters' sizes: chapter 03's model, batch and bucket cap; 04's model (fp32 here, fp64 there) and AdamW;
 # 05's and 06's models, micro-batches and schedules.
@@ -37,72 +34,6 @@ TP_CFG = dict(vocab_size=16, seq_len=32, n_layers=2, d_model=64, n_heads=8, n_kv
 TP_BATCH = 8
 PP_CFG = dict(vocab_size=16, seq_len=16, n_layers=8, d_model=32, n_heads=4, n_kv_heads=2, d_ff=64)
 PP_BATCH, PP_M, PP_V = 16, 8, 2
-
-
-def _slowest(times: list[float]) -> list[float]:
-    """Each run's time on the slowest rank: one all-reduce for the whole list, after the runs."""
-    t = torch.tensor(times, dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.tolist()
-
-
-def _timed(fn) -> float:
-    dist.barrier()  # every rank starts the run together; the barrier itself is not timed
-    started = time.perf_counter()
-    fn()
-    return time.perf_counter() - started
-
-
-def alternate(ours, theirs, *, warmup: int = 1, repeats: int | None = None, budget_s: float = 6.0,
-              min_repeats: int = 5, max_repeats: int = 25) -> tuple[list[float], list[float]]:
-    """``warmup`` runs of each, then ``ours, theirs, ours, …``: the slowest rank's seconds of each timed run.
-
-    Without ``repeats``, as many pairs as fill ``budget_s`` at the warm-up's pace, within
-    ``[min_repeats, max_repeats]`` (decided from the slowest rank's warm-up, so every rank runs as many).
-    """
-    warm = 0.0
-    for _ in range(warmup):
-        warm = _timed(ours) + _timed(theirs)
-    if repeats is None:
-        pace = _slowest([warm])[0]
-        repeats = max(min_repeats, min(max_repeats, int(budget_s / max(pace, 1e-6))))
-    ours_s, theirs_s = [], []
-    for _ in range(repeats):
-        ours_s.append(_timed(ours))
-        theirs_s.append(_timed(theirs))
-    both = _slowest(ours_s + theirs_s)
-    LEDGER.clear()  # what the runs counted and booked (chapter 02's ledger), no longer needed
-    return both[:repeats], both[repeats:]
-
-
-def model_state_bytes(model: torch.nn.Module, optimizer) -> int:
-    """Bytes of the distinct storages of this rank's parameters, gradients and optimizer parameters and state
-    (a DTensor counts its local shard), on the fullest rank."""
-    from torch.distributed.tensor import DTensor
-
-    from helpers.parallel.zero import storage_bytes
-
-    tensors = [t for p in model.parameters() for t in (p, p.grad)]
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            tensors += [p, p.grad, *optimizer.state.get(p, {}).values()]
-    seen, total = set(), 0
-    for t in tensors:
-        if isinstance(t, DTensor):
-            t = t.to_local()
-        if isinstance(t, torch.Tensor):
-            address, nbytes = storage_bytes(t)
-            if nbytes and address not in seen:
-                seen.add(address)
-                total += nbytes
-    return int(_slowest([float(total)])[0])
-
-
-def _rows(batch: int, seq_len: int, step: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """This rank's rows of the global batch of ``step``."""
-    rank, world_size = dist.get_rank(), dist.get_world_size()
-    x, y = get_batch(make_tokens(), step, batch, seq_len)
-    return rank_rows(x, rank, world_size), rank_rows(y, rank, world_size)
 
 
 # ------------------------------------------------------------------------------------------------ chapter 02
@@ -141,7 +72,7 @@ def ddp(version: str, **timing) -> dict:
     from helpers.parallel import data_parallel
 
     cfg = GPTConfig(**DDP_CFG)
-    xs, ys = _rows(DDP_BATCH, cfg.seq_len)
+    xs, ys = batch_rows(DDP_BATCH, cfg.seq_len)
     mine, pytorch = GPT(cfg, seed=0), GPT(cfg, seed=0)
     if version == "bucketed":
         buckets = data_parallel.build_buckets(list(mine.parameters()), CAP_BYTES)
@@ -197,7 +128,7 @@ def zero(stage: int, **timing) -> dict:
     from helpers.parallel import zero as book_zero
 
     cfg = GPTConfig(**ZERO_CFG)
-    xs, ys = _rows(ZERO_BATCH, cfg.seq_len)
+    xs, ys = batch_rows(ZERO_BATCH, cfg.seq_len)
     mine, pytorch = GPT(cfg, seed=0), GPT(cfg, seed=0)
     if stage == 1:
         from torch.distributed.optim import ZeroRedundancyOptimizer
@@ -372,7 +303,7 @@ def muon(version: str, **timing) -> dict:
                                                   optimizers.AdamW(rest, **MUON_ADAMW))
         ours, theirs = ours_optimizer.step, theirs_optimizer.step  # the same gradients at every step
     elif version == "distributed":
-        xs, ys = _rows(MUON_BATCH, cfg.seq_len)
+        xs, ys = batch_rows(MUON_BATCH, cfg.seq_len)
         ours_optimizer = distributed_muon.DistributedMuon(mine, mode="reduce_scatter", adamw=MUON_ADAMW,
                                                           **MUON_ARGS)
         ddp = DistributedDataParallel(pytorch)
