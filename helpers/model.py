@@ -84,7 +84,8 @@ class GPTConfig:
 def rotary_tables(positions: torch.Tensor, head_dim: int, theta: float, dtype=torch.float32):
     """RoPE's cosines and sines at ``positions``, (time, head_dim) each: feature pair ``(j, j + head_dim/2)``
     turns by ``position · theta^(-2j/head_dim)`` (Su et al. 2021). Computed in fp64, then cast."""
-    inv_freq = theta ** (-torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    features = torch.arange(0, head_dim, 2, dtype=torch.float64, device=positions.device)
+    inv_freq = theta ** (-features / head_dim)
     angles = positions.to(torch.float64)[:, None] * inv_freq[None, :]
     angles = torch.cat([angles, angles], dim=-1)
     return angles.cos().to(dtype), angles.sin().to(dtype)
@@ -128,7 +129,8 @@ class Attention(nn.Module):
         q, k, v = (t.unflatten(-1, (-1, self.head_dim)).transpose(1, 2) for t in self.project(x))
         if self.rope_theta is not None:  # rotated before the core: a ring passes rotated keys around
             if rope is None:
-                rope = rotary_tables(torch.arange(q.shape[2]), self.head_dim, self.rope_theta, q.dtype)
+                positions = torch.arange(q.shape[2], device=q.device)
+                rope = rotary_tables(positions, self.head_dim, self.rope_theta, q.dtype)
             q, k = apply_rotary(q, rope), apply_rotary(k, rope)
         y = self.core(q, k, v)
         return self.o_proj(y.transpose(1, 2).flatten(2))

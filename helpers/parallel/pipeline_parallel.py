@@ -243,7 +243,8 @@ class Executor:
         self.xs, self.ys = tokens.chunk(s.m), targets.chunk(s.m)
         some_chunk = next(iter(chunks.values()))
         shape = activation_shape or (*self.xs[0].shape, some_chunk.cfg.d_model)  # between two chunks
-        like = torch.empty(shape, dtype=next(some_chunk.parameters()).dtype)
+        weight = next(some_chunk.parameters())
+        like = torch.empty(shape, dtype=weight.dtype, device=weight.device)  # received where the chunk is
         self.mail = _Mailbox(s, group, like, timeout_s)
         stage_share = {kind: t / len(chunks) for kind, t in (stage_seconds or {}).items()}  # a chunk's
         self.timeline = Timeline(chunks.values(), stage_share, record_saved)
