@@ -301,6 +301,9 @@ def main(argv: list[str]) -> int:
             timeout = int((config.get("execute") or {}).get("timeout", 300))
             done, failed = execute_all(source, notebooks, jobs, timeout, work, env)
             fill_cache(cache_path, done, source, config)
+            env["BOOK_EXECUTED"] = os.path.join(work, "executed.json")  # for helpers.tools.sphinx_fixes
+            with open(env["BOOK_EXECUTED"], "w") as f:
+                json.dump({os.path.abspath(os.path.join(source, nb)): out for nb, _, _, out in done}, f)
             executed_at = time.monotonic()
             proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                     bufsize=1, env=env)

@@ -9,11 +9,15 @@ each and changes nothing else.
 sphinx-book-theme offers a page's executed ``.ipynb`` for download (beside its ``.md``) only when a launch
 service (Binder, Colab, Thebe, ...) is configured; the book configures none, since it runs with no network.
 :func:`_offer_the_notebook` copies the executed notebook into ``_sources`` and tells the theme, as it would
-have.
+have. Under ``make build`` the notebooks come from a cache (:mod:`helpers.tools.build`), and myst-nb then
+writes the notebook it read, without the cached outputs, to ``jupyter_execute``; so the build names the
+executed copies in ``BOOK_EXECUTED`` (a JSON file: source path -> executed notebook), and those are offered.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import shutil
 from pathlib import Path
 
@@ -39,6 +43,9 @@ def _offer_the_notebook(app, pagename, templatename, context, doctree) -> None:
     if context.get("ipynb_source") or "kernelspec" not in app.env.metadata.get(pagename, {}):
         return
     executed = Path(app.outdir).parent / "jupyter_execute" / f"{pagename}.ipynb"
+    if os.environ.get("BOOK_EXECUTED"):  # the build's own executed copies, where it made one
+        with open(os.environ["BOOK_EXECUTED"]) as f:
+            executed = Path(json.load(f).get(os.path.abspath(app.env.doc2path(pagename)), executed))
     if not executed.exists():
         return
     target = Path(app.outdir) / "_sources" / f"{pagename}.ipynb"
