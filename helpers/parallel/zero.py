@@ -1,35 +1,45 @@
 """ZeRO-1, -2 and -3 from scratch (chapter 04), with FSDP2's layout: every parameter sharded along dim 0.
 
 Each rank owns rows ``[r*k, (r+1)*k)`` of every parameter, with ``k = ceil(rows / N)`` (the last shards are
-padded with zero rows, as FSDP2 pads), and keeps AdamW's state for those rows only (Rajbhandari et al. 2020):
+padded with zero rows, as FSDP2 pads), and keeps AdamW's state for those rows only (Rajbhandari et al. 2020).
+The parameters travel in groups, one collective per group, as FSDP2 moves a unit and DeepSpeed a bucket: a
+group's shards live side by side in one flat buffer (each shard a ``Parameter`` that is a view of its piece),
+which is the all-gather's input as it stands; the all-gather's output is copied out into each parameter
+(:func:`unpack_rows`), and a group's gradients are copied into one buffer laid out rank by rank
+(:func:`pack_rows`) for one reduce-scatter (:func:`reduce_scatter_flat`):
 
 - ZeRO-1 (:class:`ShardedAdamW`, ``stage=1``): backward leaves every full gradient in place; ``step()``
-  reduce-scatters each one, so a rank receives the average of its own rows, updates them, and all-gathers the
-  updated parameters;
-- ZeRO-2 (``stage=2``): the same, but each gradient is reduce-scattered from a hook the moment backward has
-  produced it, added to the rank's gradient shard, and the full gradient is freed at once;
+  reduce-scatters them, one collective per bucket (chapter 03's buckets, one for the book's models), so a
+  rank receives the average of its own rows, updates them, and all-gathers each bucket's updated parameters;
+- ZeRO-2 (``stage=2``): the same, but a bucket is reduce-scattered from a hook the moment backward has
+  produced its last gradient, added to the rank's gradient shards, and its full gradients are freed at once;
 - ZeRO-3 (:class:`Zero3`): the full parameters are not kept either. A block's parameters are all-gathered just
-  before its forward and freed after it, gathered again just before its backward, and their gradients are
-  reduce-scattered as they appear; the parameters outside the blocks (embeddings, final norm) are gathered
+  before its forward and freed after it, gathered again just before its backward, and reduce-scattered once
+  its backward has produced them all; the parameters outside the blocks (embeddings, final norm) are gathered
   for the whole step, as FSDP's root module is. Freeing resizes the parameter's storage to zero bytes and
-  gathering resizes it back and writes into it, as FSDP does: the transposed views of the weights that
+  gathering resizes it back and copies into it, as FSDP does: the transposed views of the weights that
   autograd saves in forward share that storage, so they are freed with it and backward reads what was
   gathered again.
 
 Every collective goes through :mod:`helpers.parallel.comms`, booked once in the chapter 02 ledger.
 :class:`LiveMemory` measures what a rank holds from the storages alive at each moment (parameters, gradients,
-optimizer state and every tensor autograd saved for backward); which collectives really ran, chapter 04 reads
-from :class:`helpers.measure.TorchCollectives`, a dispatch mode that sees every one.
+optimizer state, every tensor autograd saved for backward and the all-gathers in flight); which collectives
+really ran, chapter 04 reads from :class:`helpers.measure.TorchCollectives`, a dispatch mode that sees every
+one.
 """
 
 from __future__ import annotations
 
+import math
 import weakref
 
 import torch
 import torch.distributed as dist
 
 from helpers.parallel import comms
+from helpers.parallel.data_parallel import build_buckets
+
+CAP_BYTES = 25 * 2**20  # ShardedAdamW's bucket cap by default: DDP's (bucket_cap_mb=25)
 
 
 def shard_rows(n_rows: int, world_size: int) -> int:
@@ -64,6 +74,62 @@ def accumulate(shard: torch.Tensor, reduced: torch.Tensor) -> None:
         shard.grad += reduced
 
 
+# --------------------------------------------------------------------------------------------- one buffer
+
+
+def shard_shape(p: torch.Tensor, world_size: int) -> torch.Size:
+    return torch.Size((shard_rows(p.shape[0], world_size), *p.shape[1:]))
+
+
+def split_views(flat: torch.Tensor, shapes) -> list[torch.Tensor]:
+    """``flat`` cut into consecutive pieces of ``shapes``: views, nothing copied."""
+    pieces = flat.split([math.prod(shape) for shape in shapes])
+    return [piece.view(shape) for piece, shape in zip(pieces, shapes)]
+
+
+def flat_shards(params: list[torch.Tensor], rank: int, world_size: int):
+    """This rank's shard of each of ``params`` side by side in one flat buffer, and each shard as a
+    ``Parameter`` that is a view of its piece. The buffer is the group's all-gather input as it stands, and
+    the optimizer updating the shards writes into it: FSDP2 copies the shards in before each all-gather."""
+    dtypes = sorted({str(p.dtype) for p in params})
+    if len(dtypes) > 1:
+        raise ValueError(f"one flat buffer holds one dtype; these parameters have {', '.join(dtypes)}")
+    shards = [shard_of(p.detach(), rank, world_size).reshape(-1) for p in params]
+    flat = torch.cat(shards) if shards else torch.empty(0)
+    views = split_views(flat, [shard_shape(p, world_size) for p in params])
+    return flat, [torch.nn.Parameter(view) for view in views]
+
+
+def pack_rows(tensors: list[torch.Tensor], world_size: int) -> torch.Tensor:
+    """The copy-in (FSDP2's ``torch._chunk_cat``): each tensor zero-padded to ``N·k`` rows and cut into ``N``
+    blocks of ``k`` rows; row ``r`` of the ``(N, S)`` result holds block ``r`` of every tensor, side by side,
+    which is rank ``r``'s shards laid out as :func:`flat_shards` lays them."""
+    return torch._chunk_cat(tensors, 0, world_size)
+
+
+def reduce_scatter_flat(grads: list[torch.Tensor], group=None) -> torch.Tensor:
+    """This rank's rows of the average over the ranks of every gradient in ``grads``, side by side, from one
+    reduce-scatter of the packed buffer: rank ``r`` receives the sum of row ``r``, its rows of all of them."""
+    world_size = dist.get_world_size(group)
+    return comms.reduce_scatter(pack_rows(grads, world_size).view(-1), 0, group).div_(world_size)
+
+
+def unpack_rows(gathered: torch.Tensor, fulls: list[torch.Tensor], world_size: int) -> None:
+    """The copy-out (FSDP2's ``split_with_sizes_copy``), in one call: ``gathered``, every rank's flat shard
+    rank after rank, viewed as ``(N, S)``, into each full tensor padded to ``N·k`` rows, whose rank-``r``
+    block of ``k`` rows is its piece of row ``r``."""
+    torch.split_with_sizes_copy(gathered.view(world_size, -1), [f.numel() // world_size for f in fulls],
+                                dim=1, out=[f.view(world_size, -1) for f in fulls])
+
+
+def accumulate_flat(shards: list[torch.Tensor], reduced: torch.Tensor) -> None:
+    """:func:`accumulate` for a group: each shard's gradient gets its piece of ``reduced``. After
+    ``zero_grad`` the pieces become the gradients (views of one storage, nothing copied); later micro-batches
+    add to them."""
+    for shard, view in zip(shards, split_views(reduced, [s.shape for s in shards])):
+        accumulate(shard, view)
+
+
 # --------------------------------------------------------------------------------------------- measuring
 
 
@@ -79,18 +145,23 @@ class LiveMemory:
     """The bytes a rank really holds, read from the storages alive at each sample.
 
     It looks at the model's parameters and their gradients, the optimizer's parameters (the shards) with
-    their gradients and state, and every tensor autograd saved for backward while :meth:`saving` was active
+    their gradients and state, every tensor autograd saved for backward while :meth:`saving` was active
     (a saved-tensor hook keeps a weak reference to each, so a saved tensor counts exactly as long as autograd
-    keeps it). A storage reached twice, such as a weight and the transposed view of it that ``F.linear``
-    saves, counts once. A saved tensor whose storage was a parameter's when it was saved counts as
-    parameters, wherever the parameter's data went since; every other saved tensor is an activation.
-    Temporaries inside a call (a collective's padded copy) are not alive at any sample and are not seen.
+    keeps it), and what ``in_flight()`` returns: the buffers of collectives still running (a prefetched
+    all-gather's output, counted as parameters). A storage reached twice, such as a weight and the transposed
+    view of it that ``F.linear`` saves, or shards that are views of one flat buffer, counts once. A saved
+    tensor whose storage was a parameter's when it was saved counts as parameters, wherever the parameter's
+    data went since; every other saved tensor is an activation. Temporaries inside a call (a collective's
+    packed copy) are not alive at any sample and are not seen. ``recording = False`` turns the samples off
+    (``make bench`` times the algorithm, not the measuring).
     """
 
     KINDS = ("parameters", "gradients", "optimizer states", "activations")
 
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer):
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, in_flight=None):
         self.model, self.optimizer = model, optimizer
+        self.in_flight = in_flight or list
+        self.recording = True
         self.saved: list[tuple[weakref.ref, str]] = []
         self.events: list[tuple[tuple, dict]] = []
 
@@ -114,6 +185,7 @@ class LiveMemory:
                 reached += [("optimizer states", shard), ("gradients", shard.grad)]
                 reached += [("optimizer states", v) for v in self.optimizer.state.get(shard, {}).values()]
         reached += [(kind, ref()) for ref, kind in self.saved]
+        reached += [("parameters", t) for t in self.in_flight()]
         seen, held = set(), dict.fromkeys(self.KINDS, 0)
         for kind, t in reached:
             address, nbytes = storage_bytes(t)
@@ -124,7 +196,8 @@ class LiveMemory:
 
     def sample(self, *what) -> None:
         """Record what is held now; ``what`` says when (``"gathered", "block 0"``)."""
-        self.events.append((what, self.held()))
+        if self.recording:
+            self.events.append((what, self.held()))
 
     def peak(self, kinds=("parameters", "gradients", "optimizer states")) -> tuple[tuple, dict]:
         """The sample holding the most bytes of ``kinds`` (the model states, by default)."""
@@ -138,39 +211,71 @@ class ShardedAdamW:
     """ZeRO-1 (``stage=1``) or ZeRO-2 (``stage=2``): AdamW on this rank's rows of every parameter.
 
     The shards are the optimizer's own copy of the parameters (its "master weights"); the model keeps full
-    parameters for forward and backward.
+    parameters for forward and backward. The parameters travel in chapter 03's buckets (``cap_bytes`` of
+    gradient each, in backward's order): one reduce-scatter and one all-gather per bucket and step.
     """
 
-    def __init__(self, model: torch.nn.Module, stage: int, group=None, **adamw):
+    def __init__(self, model: torch.nn.Module, stage: int, group=None, *, cap_bytes: int = CAP_BYTES,
+                 **adamw):
         if stage not in (1, 2):
             raise ValueError(f"ShardedAdamW implements ZeRO stages 1 and 2, not {stage}")
         self.stage, self.group = stage, group
         self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
         self.params = list(model.parameters())
         self.names = {p: name for name, p in model.named_parameters()}
-        self.shards = [torch.nn.Parameter(shard_of(p.detach(), self.rank, self.world_size))
-                       for p in self.params]
+        self.buckets = build_buckets(self.params, cap_bytes)
+        self.flats, shards = [], {}
+        for bucket in self.buckets:
+            flat, bucket_shards = flat_shards(bucket, self.rank, self.world_size)
+            self.flats.append(flat)
+            shards.update(zip(bucket, bucket_shards))
+        self.shards = [shards[p] for p in self.params]
         self.shard_of_param = dict(zip(self.params, self.shards))
         self.optimizer = torch.optim.AdamW(self.shards, **adamw)
         self.memory = LiveMemory(model, self.optimizer)
         if stage == 2:
+            self.bucket_of = {p: b for b, bucket in enumerate(self.buckets) for p in bucket}
+            self.waiting = [len(bucket) for bucket in self.buckets]  # per bucket: gradients still to come
             for p in self.params:
-                p.register_post_accumulate_grad_hook(self._reduce_now)
+                p.register_post_accumulate_grad_hook(self._ready)
 
-    def _reduce_now(self, p: torch.nn.Parameter) -> None:
-        """ZeRO-2: keep only this rank's rows of the gradient, from the moment backward produces it."""
-        accumulate(self.shard_of_param[p], reduce_scatter_rows(p.grad, self.group))
-        self.memory.sample("reduced", self.names[p])  # the full gradient and its shard both still held
-        p.grad = None
+    def _reduce(self, b: int) -> None:
+        """Bucket ``b``'s gradients, one reduce-scatter: this rank's rows of their average, to its shards."""
+        bucket = self.buckets[b]
+        accumulate_flat([self.shard_of_param[p] for p in bucket],
+                        reduce_scatter_flat([p.grad for p in bucket], self.group))
+
+    def _ready(self, p: torch.nn.Parameter) -> None:
+        """ZeRO-2: once backward has produced a bucket's last gradient, keep only this rank's rows of them."""
+        b = self.bucket_of[p]
+        self.waiting[b] -= 1
+        if self.waiting[b] == 0:
+            self.waiting[b] = len(self.buckets[b])
+            self._reduce(b)
+            self.memory.sample("reduced", f"bucket {b}")  # the full gradients and their shards both held
+            for q in self.buckets[b]:
+                q.grad = None
 
     def step(self) -> None:
+        missing = [self.names[p] for p in self.params  # in ZeRO-2 a reduce-scattered gradient is gone
+                   if p.grad is None and (self.stage == 1 or self.shard_of_param[p].grad is None)]
+        if missing:
+            raise ValueError(f"ZeRO-{self.stage}: backward left no gradient for {', '.join(missing)}, so "
+                             f"their buckets cannot be reduce-scattered")
         if self.stage == 1:
-            for p, shard in zip(self.params, self.shards):
-                shard.grad = reduce_scatter_rows(p.grad, self.group)  # p.grad already sums the micro-batches
+            for b in range(len(self.buckets)):
+                for p in self.buckets[b]:  # p.grad already sums the micro-batches: the shards start afresh
+                    self.shard_of_param[p].grad = None
+                self._reduce(b)
         self.memory.sample("before the update")
         self.optimizer.step()
-        for p, shard in zip(self.params, self.shards):
-            p.data.copy_(all_gather_rows(shard.detach(), p.shape[0], self.group))
+        for bucket, flat in zip(self.buckets, self.flats):
+            gathered = comms.all_gather(flat, 0, self.group).view(self.world_size, -1)
+            # the copy-out: the model's parameters are not padded, so each takes its rows from every rank's
+            # piece, the padding rows dropped
+            pieces = gathered.split([self.shard_of_param[p].numel() for p in bucket], dim=1)
+            for p, piece in zip(bucket, pieces):
+                p.detach().copy_(piece.reshape(-1, *p.shape[1:])[:p.shape[0]])
         self.memory.sample("after the update")
 
     def zero_grad(self) -> None:
@@ -182,15 +287,16 @@ class ShardedAdamW:
 
 
 class Zero3:
-    """ZeRO-3: parameters, gradients and optimizer states all sharded; blocks gathered only while in use.
+    """ZeRO-3: parameters, gradients and optimizer states all sharded; units gathered only while in use.
 
-    Each parameter keeps one storage for its full rows (padded to ``N·k``), which is zero bytes while the
-    parameter is sharded. ``reshard_after_forward=False`` keeps each block's gathered parameters from its
-    forward to its backward (FSDP's switch between ZeRO-3 and ZeRO-2 behaviour for parameters): one all-gather
-    fewer per block, at the cost of holding every block's full parameters at the peak. ``prefetch=True``
-    issues the all-gather of the next block (the previous one, in backward) asynchronously as soon as a block
-    is gathered, so that it can travel while the block computes; it costs one more block's parameters at the
-    peak.
+    Each unit's shards are views of one flat buffer, gathered with one all-gather and reduce-scattered with
+    one reduce-scatter. Each parameter keeps one storage for its full rows (padded to ``N·k``), which is zero
+    bytes while the parameter is sharded. ``reshard_after_forward=False`` keeps each block's gathered
+    parameters from its forward to its backward (FSDP's switch between ZeRO-3 and ZeRO-2 behaviour for
+    parameters): one all-gather fewer per block, at the cost of holding every block's full parameters at the
+    peak. ``prefetch=True`` issues the all-gather of the next block (the previous one, in backward)
+    asynchronously as soon as a block is gathered, so that it can travel while the block computes; it costs
+    one more block's parameters at the peak.
     """
 
     def __init__(self, model: torch.nn.Module, units: list[torch.nn.Module], group=None,
@@ -205,13 +311,18 @@ class Zero3:
         self.unit_names = ["root"] + [f"block {i}" for i in range(len(units))]
         self.unit_of = {p: i for i, unit in enumerate(self.units) for p in unit}
         self.rows = {p: p.shape[0] for p in self.params}
-        self.shards = {p: torch.nn.Parameter(shard_of(p.detach(), rank, self.world_size))
-                       for p in self.params}
+        self.flats, shards = [], {}  # per unit: its shards side by side, the unit's all-gather input
+        for unit in self.units:
+            flat, unit_shards = flat_shards(unit, rank, self.world_size)
+            self.flats.append(flat)
+            shards.update(zip(unit, unit_shards))
+        self.shards = {p: shards[p] for p in self.params}
         self.unsharded = {p: self._own_storage(p) for p in self.params}
         self.optimizer = torch.optim.AdamW(list(self.shards.values()), **adamw)
-        self.memory = LiveMemory(model, self.optimizer)
         self.waiting = [0] * len(self.units)  # per unit: the gradients its backward has still to produce
-        self.in_flight: dict[int, list] = {}  # per unit: its prefetched all-gathers
+        self.in_flight: dict[int, tuple] = {}  # per unit: its prefetched all-gather and the buffer it fills
+        self.memory = LiveMemory(model, self.optimizer,
+                                 in_flight=lambda: [buffer for _, buffer in self.in_flight.values()])
         for i in range(len(self.units)):
             self._free(i)
         self._register_hooks(model, units)
@@ -224,7 +335,7 @@ class Zero3:
 
     def _register_hooks(self, model: torch.nn.Module, units: list[torch.nn.Module]) -> None:
         """Gather the root before the model's forward; gather each block before its forward and again before
-        its backward, free it after its forward; reduce-scatter each gradient the moment it is accumulated."""
+        its backward, free it after its forward; count each gradient as it is accumulated."""
         last = len(units)
         model.register_forward_pre_hook(lambda *_: self._gather(0, then=1))
         for i, unit in enumerate(units, start=1):
@@ -238,23 +349,25 @@ class Zero3:
     def _gathered(self, i: int) -> bool:
         return all(p.untyped_storage().nbytes() for p in self.units[i])
 
-    def _start_gather(self, i: int, async_op: bool) -> list:
-        """Give unit ``i``'s parameters their storage back and all-gather the shards straight into it."""
-        gathers = []
-        for p in self.units[i]:
-            full = self.unsharded[p]
-            p.untyped_storage().resize_(full.numel() * full.element_size())
-            shard = self.shards[p].detach()
-            gathers.append(comms.all_gather(shard, 0, self.group, out=full, async_op=async_op))
-        return gathers
+    def _start_gather(self, i: int, async_op: bool):
+        """Unit ``i``'s all-gather, one collective: every rank's flat shard, rank after rank, into one buffer
+        (with ``async_op``, the collective in flight and that buffer)."""
+        gathered = self.flats[i].new_empty(self.world_size * self.flats[i].numel())
+        return comms.all_gather(self.flats[i], 0, self.group, out=gathered, async_op=async_op), gathered
+
+    def _copy_out(self, i: int, gathered: torch.Tensor) -> None:
+        """Give unit ``i``'s parameters their storage back and copy their rows out of the gathered buffer."""
+        fulls = [self.unsharded[p] for p in self.units[i]]
+        for full in fulls:
+            full.untyped_storage().resize_(full.numel() * full.element_size())
+        unpack_rows(gathered, fulls, self.world_size)
 
     def _gather(self, i: int, then: int | None = None) -> None:
         """Make unit ``i``'s full parameters available; with prefetching, start gathering unit ``then``."""
         if i in self.in_flight:  # prefetched: wait for it
-            for pending in self.in_flight.pop(i):
-                pending.wait()
+            self._copy_out(i, self.in_flight.pop(i)[0].wait())
         elif not self._gathered(i):
-            self._start_gather(i, async_op=False)
+            self._copy_out(i, self._start_gather(i, async_op=False)[1])
         else:
             return  # still gathered
         self.waiting[i] = len(self.units[i])
@@ -264,7 +377,7 @@ class Zero3:
 
     def _prefetch(self, i: int) -> None:
         """Issue unit ``i``'s all-gather now, asynchronously: it travels while the current unit computes."""
-        if not self._gathered(i):
+        if not self._gathered(i) and i not in self.in_flight:
             self.in_flight[i] = self._start_gather(i, async_op=True)
             self.memory.sample("prefetch issued", self.unit_names[i])
 
@@ -276,14 +389,21 @@ class Zero3:
         self.memory.sample("freed", self.unit_names[i])
 
     def _reduce_now(self, p: torch.nn.Parameter) -> None:
-        """This rank's rows of the averaged gradient, added to its shard's; the unit's last one frees it."""
-        accumulate(self.shards[p], reduce_scatter_rows(p.grad, self.group))
-        self.memory.sample("reduced", self.names[p])  # the full gradient and its shard both still held
-        p.grad = None
+        """Count ``p``'s gradient; after its unit's last one, reduce-scatter the unit's gradients in one
+        collective, add this rank's rows to its shards' gradients, and free the unit."""
+        self.memory.sample("accumulated", self.names[p])  # its full gradient held until the unit's is done
         i = self.unit_of[p]
         self.waiting[i] -= 1
-        if self.waiting[i] == 0:  # the unit's backward is done: its full parameters can go
-            self._free(i)
+        if self.waiting[i]:
+            return
+        unit = self.units[i]
+        reduced = reduce_scatter_flat([q.grad for q in unit], self.group)
+        accumulate_flat([self.shards[q] for q in unit], reduced)
+        del reduced  # after the first micro-batch, a temporary: gone before the sample
+        self.memory.sample("reduced", self.unit_names[i])  # the full gradients and their shards both held
+        for q in unit:
+            q.grad = None
+        self._free(i)
 
     def step(self) -> None:
         self.memory.sample("before the update")
@@ -295,6 +415,13 @@ class Zero3:
             shard.grad = None
 
     def full_parameters(self) -> dict[torch.nn.Parameter, torch.Tensor]:
-        """Every parameter gathered (for checking; a collective, so every rank must call it)."""
-        return {p: all_gather_rows(self.shards[p].detach(), self.rows[p], self.group).view(p.shape)
-                for p in self.params}
+        """Every parameter gathered, one all-gather per unit (for checking; a collective, so every rank must
+        call it)."""
+        full = {}
+        for unit, flat in zip(self.units, self.flats):
+            if not unit:
+                continue
+            padded = [torch.empty_like(self.unsharded[p]) for p in unit]
+            unpack_rows(comms.all_gather(flat, 0, self.group), padded, self.world_size)
+            full.update({p: t[:self.rows[p]] for p, t in zip(unit, padded)})
+        return {p: full[p] for p in self.params}
