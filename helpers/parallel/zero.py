@@ -22,20 +22,20 @@ which is the all-gather's input as it stands; the all-gather's output is copied 
   gathered again.
 
 Every collective goes through :mod:`helpers.parallel.comms`, booked once in the chapter 02 ledger.
-:class:`LiveMemory` measures what a rank holds from the storages alive at each moment (parameters, gradients,
-optimizer state, every tensor autograd saved for backward and the all-gathers in flight); which collectives
-really ran, chapter 04 reads from :class:`helpers.measure.TorchCollectives`, a dispatch mode that sees every
-one.
+:class:`helpers.measure.LiveMemory` measures what a rank holds from the storages alive at each moment
+(parameters, gradients, optimizer state, every tensor autograd saved for backward and the all-gathers in
+flight); which collectives really ran, chapter 04 reads from :class:`helpers.measure.TorchCollectives`, a
+dispatch mode that sees every one.
 """
 
 from __future__ import annotations
 
 import math
-import weakref
 
 import torch
 import torch.distributed as dist
 
+from helpers.measure import LiveMemory
 from helpers.parallel import comms
 from helpers.parallel.data_parallel import build_buckets
 
@@ -128,80 +128,6 @@ def accumulate_flat(shards: list[torch.Tensor], reduced: torch.Tensor) -> None:
     add to them."""
     for shard, view in zip(shards, split_views(reduced, [s.shape for s in shards])):
         accumulate(shard, view)
-
-
-# --------------------------------------------------------------------------------------------- measuring
-
-
-def storage_bytes(t: torch.Tensor | None) -> tuple[int, int]:
-    """``(address, bytes)`` of the storage under ``t``: views of one storage give the same pair."""
-    if t is None:
-        return 0, 0
-    s = t.untyped_storage()
-    return s.data_ptr(), s.nbytes()
-
-
-class LiveMemory:
-    """The bytes a rank really holds, read from the storages alive at each sample.
-
-    It looks at the model's parameters and their gradients, the optimizer's parameters (the shards) with
-    their gradients and state, every tensor autograd saved for backward while :meth:`saving` was active
-    (a saved-tensor hook keeps a weak reference to each, so a saved tensor counts exactly as long as autograd
-    keeps it), and what ``in_flight()`` returns: the buffers of collectives still running (a prefetched
-    all-gather's output, counted as parameters). A storage reached twice, such as a weight and the transposed
-    view of it that ``F.linear`` saves, or shards that are views of one flat buffer, counts once. A saved
-    tensor whose storage was a parameter's when it was saved counts as parameters, wherever the parameter's
-    data went since; every other saved tensor is an activation. Temporaries inside a call (a collective's
-    packed copy) are not alive at any sample and are not seen. ``recording = False`` turns the samples off
-    (``make bench`` times the algorithm, not the measuring).
-    """
-
-    KINDS = ("parameters", "gradients", "optimizer states", "activations")
-
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, in_flight=None):
-        self.model, self.optimizer = model, optimizer
-        self.in_flight = in_flight or list
-        self.recording = True
-        self.saved: list[tuple[weakref.ref, str]] = []
-        self.events: list[tuple[tuple, dict]] = []
-
-    def _pack(self, t: torch.Tensor) -> torch.Tensor:
-        params = {storage_bytes(p)[0] for p in self.model.parameters()}
-        self.saved.append((weakref.ref(t), "parameters" if storage_bytes(t)[0] in params else "activations"))
-        return t
-
-    def saving(self):
-        """A context for forward: autograd's saved tensors become visible to the samples."""
-        return torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
-
-    def held(self) -> dict:
-        """Bytes of every distinct live storage, by kind."""
-        self.saved = [(ref, kind) for ref, kind in self.saved if ref() is not None]
-        reached = []
-        for p in self.model.parameters():
-            reached += [("parameters", p), ("gradients", p.grad)]
-        for group in self.optimizer.param_groups:
-            for shard in group["params"]:
-                reached += [("optimizer states", shard), ("gradients", shard.grad)]
-                reached += [("optimizer states", v) for v in self.optimizer.state.get(shard, {}).values()]
-        reached += [(kind, ref()) for ref, kind in self.saved]
-        reached += [("parameters", t) for t in self.in_flight()]
-        seen, held = set(), dict.fromkeys(self.KINDS, 0)
-        for kind, t in reached:
-            address, nbytes = storage_bytes(t)
-            if nbytes and address not in seen:
-                seen.add(address)
-                held[kind] += nbytes
-        return held
-
-    def sample(self, *what) -> None:
-        """Record what is held now; ``what`` says when (``"gathered", "block 0"``)."""
-        if self.recording:
-            self.events.append((what, self.held()))
-
-    def peak(self, kinds=("parameters", "gradients", "optimizer states")) -> tuple[tuple, dict]:
-        """The sample holding the most bytes of ``kinds`` (the model states, by default)."""
-        return max(self.events, key=lambda event: sum(event[1][k] for k in kinds))
 
 
 # --------------------------------------------------------------------------------------------- ZeRO-1 and -2

@@ -57,7 +57,7 @@ def model_state_bytes(model: torch.nn.Module, optimizer) -> int:
     (a DTensor counts its local shard), on the fullest rank."""
     from torch.distributed.tensor import DTensor
 
-    from helpers.parallel.zero import storage_bytes
+    from helpers.measure import storage_bytes
 
     tensors = [t for p in model.parameters() for t in (p, p.grad)]
     for group in optimizer.param_groups:

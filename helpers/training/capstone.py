@@ -34,7 +34,7 @@ from helpers.model import GPT, GPTConfig
 from helpers.parallel import composition, pipeline_parallel, pipeline_schedules, tensor_parallel
 from helpers.parallel.ledger import LEDGER
 from helpers.parallel.mesh import MESH_ORDER, Mesh
-from helpers.parallel.zero import LiveMemory
+from helpers.measure import LiveMemory
 from helpers.reference import batches, named_params, train_steps
 from helpers.training import distributed_muon, optimizers
 
