@@ -39,7 +39,7 @@ STEP_ROWS = [
      {"version": "overlapped"}),
     ("03", "overlapped, DDP's buckets", "OverlappedDDP(buckets=closed_at_cap)", "DistributedDataParallel",
      "ddp", {"version": "overlapped, DDP's buckets"}),
-    ("04", "ZeRO-1 step", "zero.ShardedAdamW", "ZeroRedundancyOptimizer", "zero", {"stage": 1}),
+    ("04", "ZeRO-1 step", "zero.ShardedAdamW", "DDP + ZeroRedundancyOptimizer", "zero", {"stage": 1}),
     ("04", "ZeRO-3 step", "zero.Zero3", "FSDP2 fully_shard", "zero", {"stage": 3}),
     ("05", "TP step", "tensor_parallel.parallelize", "tensor.parallel", "tp", {"sequence_parallel": False}),
     ("05", "TP+SP step", "tensor_parallel (SP)", "tensor.parallel (SP)", "tp", {"sequence_parallel": True}),

@@ -137,8 +137,9 @@ def step_bytes(shapes, owned, mode: str, element_size: int) -> dict[str, int]:
 
 
 def zero1_bytes(shapes, world_size: int, element_size: int) -> int:
-    """What one rank sends per step under ZeRO-1 (``ShardedAdamW``): per parameter, a reduce-scatter and an
-    all-gather of its rows padded to ``N·k`` (``k = ceil(rows / N)``), each ``(N-1) · k · columns``."""
+    """What one rank sends per step under ZeRO-1 (``ShardedAdamW``): each parameter's rows, padded to ``N·k``
+    (``k = ceil(rows / N)``), reduce-scattered and all-gathered once, ``(N-1) · k · columns`` each way,
+    however many buckets carry them."""
     sent = 0
     for shape in shapes:
         rows, cols = shape[0], (torch.Size(shape[1:]).numel())
