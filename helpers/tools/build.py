@@ -35,6 +35,8 @@ import sys
 import tempfile
 import time
 
+import yaml
+
 from helpers import forkserver
 
 JB_FLAGS = ("-W", "-n", "--keep-going")  # warnings (a failed notebook among them) are errors; report them all
@@ -138,8 +140,6 @@ def breakdown(executed: list[tuple[str, int, float]], times_dir: str) -> list[st
 
 
 def load_config(source: str) -> dict:
-    import yaml
-
     with open(os.path.join(source, "_config.yml")) as f:
         return yaml.safe_load(f) or {}
 
@@ -147,7 +147,6 @@ def load_config(source: str) -> dict:
 def toc_notebooks(source: str) -> list[str]:
     """The pages of the source's _toc.yml that myst-nb executes: .ipynb files, and MyST Markdown notebooks
     (Markdown with jupytext or mystnb top-matter), as paths relative to ``source``."""
-    import yaml
     from myst_nb.core.read import is_myst_markdown_notebook
 
     def files(node):
@@ -249,7 +248,7 @@ def execute_all(source: str, notebooks: list[str], jobs: int, timeout: int, work
     return done, failed
 
 
-def fill_cache(cache_path: str, done, source: str, config: dict) -> None:
+def fill_cache(cache_path: str, done, source: str) -> None:
     """Put each executed notebook into the jupyter-cache that the build then reads instead of executing."""
     import nbformat
     from jupyter_cache import get_cache
@@ -285,8 +284,6 @@ def main(argv: list[str]) -> int:
         cache_path = os.path.join(work, "jupyter_cache")
         execute = {**(config.get("execute") or {}), "execute_notebooks": "cache", "cache": cache_path}
         config_path = os.path.join(work, "_config.yml")
-        import yaml
-
         with open(config_path, "w") as f:
             yaml.safe_dump({**config, "execute": execute}, f)
         cmd = [jupyter_book, "build", source, *JB_FLAGS, "--config", config_path, *argv[1:]]
@@ -300,7 +297,7 @@ def main(argv: list[str]) -> int:
             notebooks = toc_notebooks(source)
             timeout = int((config.get("execute") or {}).get("timeout", 300))
             done, failed = execute_all(source, notebooks, jobs, timeout, work, env)
-            fill_cache(cache_path, done, source, config)
+            fill_cache(cache_path, done, source)
             env["BOOK_EXECUTED"] = os.path.join(work, "executed.json")  # for helpers.tools.sphinx_fixes
             with open(env["BOOK_EXECUTED"], "w") as f:
                 json.dump({os.path.abspath(os.path.join(source, nb)): out for nb, _, _, out in done}, f)
