@@ -36,6 +36,7 @@ from helpers import errors as book_errors
 from helpers import forkserver
 
 _current: "Ranks | None" = None
+REGISTRATION_TIMEOUT_S = 60  # how long an engine waits for the controller to register it (see start_ranks)
 
 
 class Ranks:
@@ -209,10 +210,14 @@ def start_ranks(world_size: int = 4, *, timeout_s: float | None = None, activate
         cluster.start_controller_sync()
         path = shared if server is None else server.wait().path
         # No nanny process per engine: it costs a few seconds of start-up on two cores, and the engines are
-        # stopped by signal (stop, janitor) rather than through it.
+        # stopped by signal (stop, janitor) rather than through it. An engine gives up on a controller that
+        # has not answered its registration within IPEngine.timeout, 5 s by default: two notebooks starting 8
+        # ranks each beside the unit tests once left one engine unregistered that way. It may wait 60 s, still
+        # inside the 120 s this function waits for all of them.
         env = {**os.environ, "IPP_PROFILE_DIR": cluster.profile_dir, "IPP_CLUSTER_ID": cluster.cluster_id}
+        engine_args = ["--IPEngine.enable_nanny=False", f"--IPEngine.timeout={REGISTRATION_TIMEOUT_S}"]
         for i in range(world_size):
-            engine_pids.append(forkserver.spawn(path, ["--IPEngine.enable_nanny=False"], env, os.getcwd(),
+            engine_pids.append(forkserver.spawn(path, engine_args, env, os.getcwd(),
                                                 os.path.join(run_dir, f"engine-{i}.log")))
         controller_pid = cluster.controller.process.pid
         janitor = subprocess.Popen(

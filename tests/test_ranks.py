@@ -83,6 +83,22 @@ def _all_reduce_rank_plus_one():
     return dist.get_rank(), x.item()
 
 
+@ipp.interactive  # sent by value: the engines cannot import this test module
+def _registration_timeout():
+    from ipyparallel.engine.app import IPEngine
+
+    return IPEngine.instance().timeout
+
+
+def test_engines_wait_for_their_registration_longer_than_a_loaded_controller_takes(ranks):
+    """ipyparallel's 5 s default once left an engine unregistered with two notebooks starting beside the
+    unit tests; the engines wait REGISTRATION_TIMEOUT_S, inside start_ranks' own 120 s."""
+    from helpers import ranks as book_ranks
+
+    assert ranks.apply(_registration_timeout) == [book_ranks.REGISTRATION_TIMEOUT_S] * ranks.world_size
+    assert 5 < book_ranks.REGISTRATION_TIMEOUT_S < 120
+
+
 def test_ranks_form_one_group(ranks):
     assert ranks.apply(_all_reduce_rank_plus_one) == [(0, 3.0), (1, 3.0)]
     assert ranks.pull("__name__") == ["__main__", "__main__"]
