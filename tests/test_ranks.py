@@ -230,3 +230,31 @@ def test_fork_server_answers_a_bad_request_and_ends_when_its_socket_goes(tmp_pat
         server.process.wait(timeout=5)
     finally:
         server.stop()
+
+
+def test_engines_start_only_once_the_connection_file_is_whole(tmp_path):
+    """start_controller returns before the controller has written the engines' connection file; an engine that
+    reads it empty exits. The ranks wait for the whole file, and give up with a reason."""
+    import threading
+    from types import SimpleNamespace
+
+    from helpers.ranks import _wait_for_connection_file
+
+    controller = SimpleNamespace(state="running")
+    cluster = SimpleNamespace(profile_dir=str(tmp_path), cluster_id="x", controller=controller)
+    (tmp_path / "security").mkdir()
+    path = tmp_path / "security" / "ipcontroller-x-engine.json"
+    path.write_text("")  # created, not yet written
+    writer = threading.Timer(0.5, lambda: path.write_text('{"url": "tcp://127.0.0.1:1"}'))
+    writer.start()
+    started = time.monotonic()
+    _wait_for_connection_file(cluster, timeout_s=10)
+    waited = time.monotonic() - started
+    writer.join()
+    assert waited >= 0.4, "returned on an empty file"
+    path.unlink()
+    with pytest.raises(TimeoutError, match="did not write the engines' connection file within 0 s"):
+        _wait_for_connection_file(cluster, timeout_s=0.2)
+    controller.state = "after"
+    with pytest.raises(RuntimeError, match="controller stopped before"):
+        _wait_for_connection_file(cluster, timeout_s=10)
