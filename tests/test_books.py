@@ -65,7 +65,7 @@ def test_exercise_solution_runs_at_build_time(tmp_path):
 
 
 NOTEBOOK = """---
-jupytext:
+{alone}jupytext:
   text_representation: {{extension: .md, format_name: myst}}
 kernelspec: {{display_name: Python 3, language: python, name: python3}}
 ---
@@ -88,19 +88,25 @@ assert not os.path.exists("running"), "ran beside the other notebook"
 """
 
 
-def test_the_notebooks_run_two_at_a_time_and_a_load_dependent_failure_fails_the_build(tmp_path):
-    from helpers.tools.build import toc_notebooks
-
-    book = tmp_path / "book"
+def two_notebooks(book, second_alone: bool = False) -> None:
     book.mkdir()
     (book / "_config.yml").write_text("title: two at a time\nonly_build_toc_files: true\n"
                                       "execute:\n  execute_notebooks: force\n  run_in_temp: false\n")
     (book / "_toc.yml").write_text("format: jb-book\nroot: index\nchapters:\n  - file: first\n"
                                    "  - file: second\n")
     (book / "index.md").write_text("# Two notebooks\n")
-    (book / "first.md").write_text(NOTEBOOK.format(title="First", code=HOLDS))
-    (book / "second.md").write_text(NOTEBOOK.format(title="Second", code=SEES))
+    (book / "first.md").write_text(NOTEBOOK.format(title="First", code=HOLDS, alone=""))
+    alone = "book: {runs_alone: true}\n" if second_alone else ""
+    (book / "second.md").write_text(NOTEBOOK.format(title="Second", code=SEES, alone=alone))
+
+
+def test_the_notebooks_run_two_at_a_time_and_a_load_dependent_failure_fails_the_build(tmp_path):
+    from helpers.tools.build import runs_alone, toc_notebooks
+
+    book = tmp_path / "book"
+    two_notebooks(book)
     assert toc_notebooks(str(book)) == ["first.md", "second.md"]  # index.md is no notebook
+    assert not runs_alone(str(book / "second.md"))
     done = build(str(book), str(tmp_path / "out"))
     assert done.returncode != 0, done.stdout[-3000:]
     out = done.stdout
@@ -109,3 +115,14 @@ def test_the_notebooks_run_two_at_a_time_and_a_load_dependent_failure_fails_the_
     assert "ran beside the other notebook" in summary
     assert "first.md" not in summary.replace("second.md", "")  # the one that passed is not blamed
     assert not (book / "running").exists()
+
+
+def test_a_notebook_that_times_itself_runs_with_no_other_beside_it(tmp_path):
+    from helpers.tools.build import runs_alone
+
+    book = tmp_path / "book"
+    two_notebooks(book, second_alone=True)
+    assert runs_alone(str(book / "second.md"))
+    done = build(str(book), str(tmp_path / "out"))
+    assert done.returncode == 0, done.stdout[-3000:]
+    assert "1 that time themselves, one at a time" in done.stdout

@@ -1,16 +1,17 @@
 """Build a book with jupyter-book, its log ending with what failed: ``python -m helpers.tools.build [DIR]``.
 
-The notebooks of the table of contents are executed first, ``BOOK_BUILD_JOBS`` at a time (default 2), each
-by a worker process of its own, exactly as myst-nb executes them (its reader, ``single_nb_execution``, the
+The notebooks of the table of contents are executed first, ``BOOK_BUILD_JOBS`` at a time (default 2), each by
+a worker process of its own, exactly as myst-nb executes them (its reader, ``single_nb_execution``, the
 notebook's folder as working directory, the configuration's timeout); the longest-looking first: those that
-start the most ranks, then the longest. A notebook waits on its ranks for much of its time, so one alone
-keeps about one core of two busy: two at a time measured 288 s for the 13 chapters that took 463 s one
-after the other, here. The executed notebooks go into a jupyter-cache of this build's own, and jupyter-book
-then builds from a copy of ``_config.yml`` that reads them from it (``execute_notebooks: cache``) instead of
-executing them again; ``_config.yml`` itself keeps ``force``, so a plain ``jupyter-book build`` executes
-everything, one notebook after the other. A notebook that failed in a worker is not cached: jupyter-book
-executes it again, alone, and reports it in its own words. If it passes alone, the build fails all the same
-and says so: a check that depends on the machine's load is a defect.
+start the most ranks, then the longest. A notebook waits on its ranks for much of its time, so one alone keeps
+about one core of two busy: two at a time measured 288 s for the 13 chapters that took 463 s one after the
+other, here. A notebook whose checks read the clock says so in its metadata (``book: {runs_alone: true}``) and
+runs first, with no other notebook beside it. The executed notebooks go into a jupyter-cache of this build's
+own, and jupyter-book then builds from a copy of ``_config.yml`` that reads them from it (``execute_notebooks:
+cache``) instead of executing them again; ``_config.yml`` itself keeps ``force``, so a plain ``jupyter-book
+build`` executes everything, one notebook after the other. A notebook that failed in a worker is not cached:
+jupyter-book executes it again, alone, and reports it in its own words. If it passes alone, the build fails
+all the same and says so: a check that depends on the machine's load is a defect.
 
 jupyter-book prints a failing cell's traceback in the middle of a long log and ends it with "Look above for
 the cause". This wrapper streams the log unchanged, and when the build fails it repeats, as the last lines,
@@ -211,6 +212,12 @@ def weight(path: str) -> tuple[int, int]:
     return max(ranks, default=0), len(text)
 
 
+def runs_alone(path: str) -> bool:
+    """Whether the notebook asks to run with no other beside it (``book: {runs_alone: true}`` in its
+    metadata): a page that checks what it measures by the clock, such as a pipeline's bubble."""
+    return bool(read_notebook(path, {}).metadata.get("book", {}).get("runs_alone"))
+
+
 def execute_all(source: str, notebooks: list[str], jobs: int, timeout: int, work: str, env: dict):
     """Execute ``notebooks`` (paths relative to ``source``), ``jobs`` at a time, each in a worker process;
     return (notebook, worker pid, seconds) of those that succeeded with their executed copies, and the failed
@@ -219,6 +226,7 @@ def execute_all(source: str, notebooks: list[str], jobs: int, timeout: int, work
     from concurrent.futures import ThreadPoolExecutor
 
     order = sorted(notebooks, key=lambda nb: weight(os.path.join(source, nb)), reverse=True)
+    alone = [nb for nb in order if runs_alone(os.path.join(source, nb))]
     done, failed, lock = [], {}, threading.Lock()
 
     def run(i_nb):
@@ -242,9 +250,14 @@ def execute_all(source: str, notebooks: list[str], jobs: int, timeout: int, work
                       f"report it)", flush=True)
 
     os.makedirs(os.path.join(work, "executed"))
-    print(f"executing {len(order)} notebooks, {jobs} at a time", flush=True)
+    numbered = list(enumerate(order))
+    print(f"executing {len(order)} notebooks: {len(alone)} that time themselves, one at a time, then the "
+          f"others {jobs} at a time", flush=True)
+    for i_nb in numbered:
+        if i_nb[1] in alone:
+            run(i_nb)
     with ThreadPoolExecutor(jobs) as pool:
-        list(pool.map(run, enumerate(order)))
+        list(pool.map(run, [i_nb for i_nb in numbered if i_nb[1] not in alone]))
     return done, failed
 
 
