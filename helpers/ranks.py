@@ -145,12 +145,19 @@ def _kill(pids: list[int]) -> None:
             pass
 
 
-def _log_tail(run_dir: str) -> str:
-    try:
-        with open(os.path.join(run_dir, "engine-0.log")) as f:
-            return f.read()[-600:].strip() or "(empty)"
-    except OSError as e:
-        return f"(unreadable: {e})"
+def _log_tail(run_dir: str, world_size: int) -> str:
+    """The end of the log of the first engine that did not complete its registration (of engine 0 if all
+    did)."""
+    tails = []
+    for i in range(world_size):
+        try:
+            with open(os.path.join(run_dir, f"engine-{i}.log")) as f:
+                text = f.read()
+        except OSError as e:
+            text = f"(unreadable: {e})"
+        tails.append((i, text[-600:].strip() or "(empty)", "Completed registration" in text))
+    i, tail, _ = next((t for t in tails if not t[2]), tails[0])
+    return f"engine {i}'s log ends: {tail}"
 
 
 def _wait_for_connection_file(cluster, timeout_s: float) -> None:
@@ -255,8 +262,8 @@ def start_ranks(world_size: int = 4, *, timeout_s: float | None = None, activate
         try:
             client.wait_for_engines(world_size, timeout=120, interactive=False)  # no progress bar on the page
         except TimeoutError:
-            raise TimeoutError(f"{len(client.ids)} of {world_size} engines registered within 120 s; the "
-                               f"first engine's log ends: {_log_tail(run_dir)}") from None
+            raise TimeoutError(f"{len(client.ids)} of {world_size} engines registered within 120 s; "
+                               f"{_log_tail(run_dir, world_size)}") from None
         if sorted(client.ids) != list(range(world_size)):
             raise RuntimeError(f"expected engine ids 0..{world_size - 1}, got {client.ids}")
         workdir = os.getcwd()
