@@ -135,3 +135,52 @@ def test_a_too_small_agreed_amax_saturates_instead_of_overflowing():
     q, scale = fp8_recipes.quantize_tensorwise(x, E5M2, amax=1.0)
     assert (x * scale).to(E5M2).float().isinf().any()  # what the cast alone would give
     assert q.float().tolist() == [[28672.0, 57344.0, 57344.0, -57344.0]]
+
+
+# ------------------------------------------------------------------------ FP8 training (fp8_training.py)
+
+
+def test_float8_linear_through_scaled_mm_equals_the_dequantized_matmuls():
+    from helpers.training.fp8_training import Float8Linear
+
+    generator = torch.Generator().manual_seed(2)
+    layer = torch.nn.Linear(64, 32, bias=False)
+    x0, g0 = torch.randn(3, 16, 64, generator=generator), torch.randn(3, 16, 32, generator=generator)
+    got = {}
+    for scaled_mm in (False, True):
+        x = x0.clone().requires_grad_()
+        layer.weight.grad = None
+        out = Float8Linear(layer, scaled_mm)(x)
+        out.backward(g0)
+        got[scaled_mm] = (out.detach(), x.grad, layer.weight.grad.clone())
+    for a, b in zip(got[True], got[False]):
+        assert (a - b).abs().max() <= 1e-5 * b.abs().max()  # fp32 sums in another order
+
+
+def test_float8_matmul_uses_e4m3_forward_and_e5m2_gradients():
+    from helpers.training.fp8_training import Float8Matmul
+
+    generator = torch.Generator().manual_seed(3)
+    x = torch.randn(16, 64, generator=generator).requires_grad_()
+    w = torch.randn(32, 64, generator=generator).requires_grad_()
+    g = torch.randn(16, 32, generator=generator)
+    Float8Matmul.apply(x, w).backward(g)
+    e4 = [fp8_recipes.dequantize(*fp8_recipes.quantize_tensorwise(t.detach(), E4M3)) for t in (x, w)]
+    g5 = fp8_recipes.dequantize(*fp8_recipes.quantize_tensorwise(g, E5M2))
+    assert torch.allclose(x.grad, g5 @ e4[1], rtol=1e-6, atol=0)
+    assert torch.allclose(w.grad, g5.t() @ e4[0], rtol=1e-6, atol=0)
+
+
+def test_convert_to_float8_swaps_the_blocks_linears_and_keeps_their_parameters():
+    from conftest import small_config
+
+    from helpers.model import GPT
+    from helpers.training.fp8_training import Float8Linear, convert_to_float8
+
+    model = GPT(small_config(), seed=0)
+    before = dict(model.named_parameters())
+    swapped = convert_to_float8(model)
+    assert len(swapped) == 6 * model.cfg.n_layers and all(n.startswith("blocks.") for n in swapped)
+    assert not isinstance(model.lm_head, Float8Linear)
+    after = dict(model.named_parameters())
+    assert after.keys() == before.keys() and all(after[n] is before[n] for n in before)
