@@ -2,8 +2,10 @@
 agreed across data-parallel ranks, bf16 training's fp32 reduction against one process, and the FP8 all-gather.
 
 - one process: ``LossScaler`` takes GradScaler's decisions (scale and skipped steps) on a run whose fp16
-  gradients overflow several times (growth interval 1, every other setting the default), and the parameters
-  come out bit for bit; unscaling twice in a step and updating before unscaling are refused;
+  gradients overflow several times, some one good step into an interval (growth interval 3, initial scale
+  2^20), and the parameters come out bit for bit; on chosen events (inf, NaN, overflows mid-interval) its
+  whole sequence of scales is GradScaler's; unscaling twice in a step and updating before unscaling are
+  refused;
 - two ranks: the found-inf flag of one rank's shard is every rank's with ``data_parallel=True``, and only its
   own without; ``sharded_fp16_step`` (ZeRO-2's flat partition) takes the decisions and reaches the parameters
   of the all-reduced GradScaler step bit for bit; bf16 training with its fp32 gradient buffer all-reduced in
@@ -24,9 +26,12 @@ from helpers.training.mixed_precision import LossScaler, MasterWeightsAdamW, acc
 CFG = small_config(vocab_size=64, seq_len=16)
 
 
+INIT_SCALE, GROWTH_INTERVAL = 2.0 ** 20, 3
+
+
 def _grad_scaler_run(model, data, growth_interval):
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    scaler = torch.amp.GradScaler("cpu", growth_interval=growth_interval)
+    scaler = torch.amp.GradScaler("cpu", init_scale=INIT_SCALE, growth_interval=growth_interval)
     log = []
     for x, y in data:
         scale = scaler.get_scale()
@@ -41,10 +46,10 @@ def _grad_scaler_run(model, data, growth_interval):
 def test_loss_scaler_takes_grad_scalers_decisions_and_parameters():
     data = [seeded_batch(CFG, 8, seed=step) for step in range(10)]
     theirs = GPT(CFG, seed=0)
-    want = _grad_scaler_run(theirs, data, growth_interval=1)
+    want = _grad_scaler_run(theirs, data, growth_interval=GROWTH_INTERVAL)
     ours = GPT(CFG, seed=0)
     optimizer = torch.optim.AdamW(ours.parameters(), lr=1e-3)
-    scaler = LossScaler(growth_interval=1)
+    scaler = LossScaler(init_scale=INIT_SCALE, growth_interval=GROWTH_INTERVAL)
     got = []
     for x, y in data:
         scale = scaler.scale.item()
@@ -57,6 +62,26 @@ def test_loss_scaler_takes_grad_scalers_decisions_and_parameters():
     assert got == want
     for (name, p), q in zip(ours.named_parameters(), theirs.parameters()):
         assert torch.equal(p, q), f"{name} differs from GradScaler's run"
+
+
+def test_loss_scaler_follows_grad_scaler_on_inf_nan_and_overflows_mid_interval():
+    events = ["ok", "inf", "ok", "nan", "ok", "ok", "ok", "ok", "ok", "inf", "ok", "ok", "nan", "ok", "ok"]
+    ours = LossScaler(init_scale=INIT_SCALE, growth_interval=GROWTH_INTERVAL)
+    theirs = torch.amp.GradScaler("cpu", init_scale=INIT_SCALE, growth_interval=GROWTH_INTERVAL)
+    param = torch.nn.Parameter(torch.zeros(3))
+    got, want = [], []
+    for event in events + ["ok"]:
+        value = {"ok": 1.0, "inf": float("inf"), "nan": float("nan")}[event]
+        got.append(ours.scale.item())
+        ours.unscale_([torch.tensor([1.0, value, 1.0])])
+        ours.update()
+        want.append(theirs.get_scale())
+        theirs.scale(torch.ones(()))
+        param.grad = torch.tensor([1.0, value, 1.0])
+        theirs.step(torch.optim.SGD([param], lr=0.0))
+        theirs.update()
+    assert got == want
+    assert len(set(want)) >= 4, f"the events must make the scale back off and grow: {want}"
 
 
 def test_loss_scaler_defaults_and_misuse():
@@ -95,7 +120,7 @@ def _on_ranks(cfg, data, bf16_data):
         model = GPT(cfg, seed=0)
         shard = mixed_precision.flat_shard(model)
         optimizer = torch.optim.AdamW([shard], lr=1e-3)
-        scaler = mixed_precision.LossScaler(growth_interval=1, data_parallel=agree)
+        scaler = mixed_precision.LossScaler(init_scale=2.0 ** 20, growth_interval=3, data_parallel=agree)
         log = []
         for x, y in data:
             scale = scaler.scale.item()
@@ -106,7 +131,7 @@ def _on_ranks(cfg, data, bf16_data):
 
     model = GPT(cfg, seed=0)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    grad_scaler = torch.amp.GradScaler("cpu", growth_interval=1)
+    grad_scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 20, growth_interval=3)
     log = []
     for x, y in data:
         scale = grad_scaler.get_scale()

@@ -66,3 +66,22 @@ def test_ulp_is_the_spacing_of_the_binade():
 def test_an_unknown_convention_is_refused():
     with pytest.raises(ValueError, match="ieee, fn, fnu, none"):
         Format("bad", 4, 3, 7, "saturating")
+
+
+@pytest.mark.parametrize("fmt", [E4M3, E5M2, number_formats.BF16, number_formats.FP16], ids=lambda f: f.name)
+def test_infinities_saturate_to_the_largest_value(fmt):
+    got = round_to_format(torch.tensor([float("inf"), -float("inf")]), fmt)
+    assert got.tolist() == [fmt.max, -fmt.max]
+
+
+def test_e8m0_has_no_zero_and_no_sign():
+    got = round_to_format(torch.tensor([2.0 ** -130, 0.0, 2.0 ** -127, 2.0 ** 200]), E8M0)
+    assert got.tolist() == [2.0 ** -127, 2.0 ** -127, 2.0 ** -127, 2.0 ** 127]
+    with pytest.raises(ValueError, match="unsigned"):
+        round_to_format(torch.tensor([-1.0]), E8M0)
+
+
+def test_nan_stays_nan_where_the_format_has_one_and_is_refused_in_fp4():
+    assert round_to_format(torch.tensor([float("nan")]), E4M3).isnan().all()
+    with pytest.raises(ValueError, match="no NaN"):
+        round_to_format(torch.tensor([float("nan")]), E2M1)

@@ -4,10 +4,13 @@ torchao's float8 training for FSDP2 all-gathers the weights already cast to FP8,
 largest traffic of ZeRO-3, moves half the bytes of a bf16 one. Every rank must quantize its shard with the
 *same* scale, or the gathered rows would be on different scales: the ranks first agree on the tensor's amax
 with an all-reduce (MAX) of their shards' amaxes, then each quantizes its rows with the tensorwise recipe of
-:mod:`helpers.training.fp8_recipes` and the FP8 bytes are gathered. gloo (and NCCL) move no FP8 dtype, so
-:func:`helpers.parallel.comms.all_gather` sends the ``uint8`` view of the bytes and reinterprets them after
-(``wire_dtype`` set to the FP8 dtype). Since the agreed amax is the full tensor's, the gathered weights
-dequantize to exactly what one process gets by quantizing the full tensor.
+:mod:`helpers.training.fp8_recipes` and the FP8 bytes are gathered. gloo refuses FP8 tensors
+("Invalid scalar type", measured in chapter 09), so :func:`helpers.parallel.comms.all_gather` sends the
+``uint8`` view of the bytes and reinterprets them after (``wire_dtype`` set to the FP8 dtype). NCCL needs no
+view: PyTorch's NCCL backend maps ``float8_e4m3fn`` and ``float8_e5m2`` to NCCL's own FP8 types from NCCL 2.24
+on, and to ``ncclUint8`` before (``torch/csrc/distributed/c10d/NCCLUtils.hpp`` of torch 2.13.0). Since the
+agreed amax is the full tensor's, the gathered weights dequantize to exactly what one process gets by
+quantizing the full tensor.
 """
 
 from __future__ import annotations

@@ -27,7 +27,9 @@ from helpers.training import number_formats
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 FP8_FORMATS = {torch.float8_e4m3fn: number_formats.E4M3, torch.float8_e5m2: number_formats.E5M2}
-AMAX_FLOOR = 1e-12  # an all-zero block gets a finite scale (torchao clamps its amax the same way)
+# an all-zero block gets a finite scale: torchao's float8 code clamps its amax the same way (EPS = 1e-12 in
+# torchao/float8/float8_utils.py); MX scales take no floor (OCP MX v1.0: the block's own exponent)
+AMAX_FLOOR = 1e-12
 DEEPSEEK_ACTIVATION_TILE = (1, 128)
 DEEPSEEK_WEIGHT_BLOCK = (128, 128)
 MX_BLOCK = 32
@@ -42,6 +44,14 @@ def fp8_format(dtype: torch.dtype) -> number_formats.Format:
     return FP8_FORMATS[dtype]
 
 
+def amax_to_scale(amax: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``fp8_max / amax`` in fp32, computed in fp64 as torchao's ``amax_to_scale`` does; an inf or NaN amax
+    (a tensor holding inf or NaN) has no finite scale and is refused."""
+    if not bool(torch.isfinite(amax).all()):
+        raise ValueError(f"an amax of {amax.max().item()} has no finite scale: the tensor holds inf or NaN")
+    return (fp8_format(dtype).max / amax.double().clamp(min=AMAX_FLOOR)).float()
+
+
 def _cast(y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     fmax = fp8_format(dtype).max
     return y.clamp(-fmax, fmax).to(dtype)  # clamp first: past the largest value, e5m2 gives inf
@@ -54,9 +64,8 @@ def quantize_tensorwise(x: torch.Tensor, dtype: torch.dtype = torch.float8_e4m3f
     tensor or a number, e.g. the maximum of every rank's ``x.abs().max()``) is used instead of the tensor's
     own, so that every rank quantizes with the same scale.
     """
-    fmax = fp8_format(dtype).max
     amax = x.abs().max() if amax is None else torch.as_tensor(amax)
-    scale = fmax / amax.float().clamp(min=AMAX_FLOOR)
+    scale = amax_to_scale(amax.float(), dtype)
     return _cast(x.float() * scale, dtype), scale
 
 
@@ -93,8 +102,7 @@ def block_amax(x: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
 
 def quantize_blocks(x: torch.Tensor, block: tuple[int, int], dtype: torch.dtype = torch.float8_e4m3fn):
     """``(q, scale)`` with one fp32 scale ``fp8_max / amax`` per ``block`` of a 2-d tensor."""
-    fmax = fp8_format(dtype).max
-    scale = fmax / block_amax(x, block).clamp(min=AMAX_FLOOR)
+    scale = amax_to_scale(block_amax(x, block), dtype)
     return _cast(x.float() * expand_blocks(scale, x.shape), dtype), scale
 
 
@@ -110,15 +118,17 @@ def quantize_blockwise(x: torch.Tensor, block: tuple[int, int] = DEEPSEEK_ACTIVA
 
 
 def mx_shared_exponent(amax: torch.Tensor, element: number_formats.Format, rounding: str = "floor"):
-    """A block's shared exponent, within e8m0's range.
+    """A block's shared exponent, within e8m0's range [-127, 127].
 
     ``"floor"``: OCP MX v1.0's ``floor(log2(amax)) - emax_elem``; ``"up"``: the smallest power of two
     that keeps ``amax / X`` within the element format's largest value, ``ceil(log2(amax / max_elem))``.
+    No floor on the amax: a block of tiny values keeps its own exponent (an amax of 2^-50 gives 2^-58), and
+    an all-zero block (log2 0 = -inf) takes e8m0's smallest scale, 2^-127, which encodes zeros as well as any.
     """
     if rounding not in ("floor", "up"):
         raise ValueError(f"rounding={rounding!r} is not one of 'floor', 'up'")
     e8m0 = number_formats.E8M0
-    amax = amax.double().clamp(min=AMAX_FLOOR)
+    amax = amax.double()
     if rounding == "floor":
         exponent = torch.floor(torch.log2(amax)) - element.emax
     else:
@@ -147,22 +157,23 @@ def dequantize_mx(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 def quantize_nvfp4(x: torch.Tensor, block: int = NVFP4_BLOCK):
     """``(q, block_scale, tensor_scale)``: 16-value blocks on the e2m1 grid (fp32, simulated), one e4m3
-    scale per block and one fp32 scale for the tensor.
+    scale per block and one fp32 scale for the tensor, as Transformer Engine's reference NVFP4 quantizer.
 
-    The tensor scale ``amax / (6 * 448)`` puts every block's decode scale ``block_amax / 6`` within e4m3's
-    range; the block scale, cast to e4m3, is moved up to the next e4m3 value where the cast rounded it down,
-    so no value of the block lands past e2m1's largest, 6.
+    The tensor's encode scale ``6 * 448 / amax`` puts every block's decode scale ``block_amax / 6 * encode``
+    within e4m3's range; that decode scale is cast to the *nearest* e4m3 value, so where the cast went down a
+    block's largest values land a little past 6 and are clamped to 6 before the rounding to e2m1 (at most
+    ``6 / (1 - 2^-4)``: e4m3's relative half ulp). ``tensor_scale`` is the decode scale ``1 / encode``.
+    An all-zero tensor or block gives zeros (its encode scale is capped at fp32's largest, as TE caps it).
     """
     e2m1, e4m3 = number_formats.E2M1, number_formats.E4M3
-    tensor_scale = (x.abs().max().float() / (e2m1.max * e4m3.max)).clamp(min=AMAX_FLOOR)
-    decode = (block_amax(x, (1, block)) / e2m1.max / tensor_scale).clamp(max=e4m3.max)
-    block_scale = decode.to(torch.float8_e4m3fn)
-    low = block_scale.float() < decode
-    bumped = (block_scale.view(torch.uint8) + 1).view(torch.float8_e4m3fn)
-    block_scale = torch.where(low, bumped, block_scale)
-    full = expand_blocks(block_scale.float(), x.shape) * tensor_scale
-    y = torch.where(full > 0, x.float() / full, torch.zeros_like(x, dtype=torch.float32))
-    return number_formats.round_to_format(y, e2m1), block_scale, tensor_scale
+    fp32_max = torch.finfo(torch.float32).max
+    encode = torch.tensor(e2m1.max * e4m3.max, dtype=torch.float32) / x.abs().max().float()
+    encode = encode.clamp(max=fp32_max)
+    decode = (block_amax(x, (1, block)) / e2m1.max * encode).clamp(max=e4m3.max)
+    block_scale = decode.to(torch.float8_e4m3fn)  # round to nearest
+    block_encode = (encode / block_scale.float()).clamp(max=fp32_max)
+    y = (x.float() * expand_blocks(block_encode, x.shape)).clamp(-e2m1.max, e2m1.max)
+    return number_formats.round_to_format(y, e2m1), block_scale, 1.0 / encode
 
 
 def dequantize_nvfp4(q: torch.Tensor, block_scale: torch.Tensor, tensor_scale: torch.Tensor) -> torch.Tensor:

@@ -141,8 +141,19 @@ def round_to_format(y: torch.Tensor, fmt: Format) -> torch.Tensor:
 
     The values of a binade are ``ulp`` apart, so rounding is ``round(y / ulp) * ulp`` in that binade;
     ``torch.round`` rounds halves to even, as IEEE's default rounding does. Exact for any ``y`` of a format
-    with fewer mantissa bits than fp64's.
+    with fewer mantissa bits than fp64's. Edge inputs: ``±inf`` saturates to ``±fmt.max`` (``y`` is clamped
+    before its ulp is taken, since the ulp of inf is inf and inf / inf is NaN); a format without zero (e8m0)
+    takes its smallest value for anything below it; NaN stays NaN in a format that has a NaN, and is refused,
+    like a negative number in an unsigned format, where the format has no code for it.
     """
     y64 = y.double()
+    if not fmt.signed and bool((y64 < 0).any()):
+        raise ValueError(f"{fmt.name} is unsigned: it has no code for the negative values given")
+    if fmt.special == "none" and bool(y64.isnan().any()):
+        raise ValueError(f"{fmt.name} has no NaN code: the input holds NaN")
+    y64 = y64.clamp(-fmt.max, fmt.max)  # saturate first: the ulp of an inf is inf
     ulp = fmt.ulp(y64)
-    return (torch.round(y64 / ulp) * ulp).clamp(-fmt.max, fmt.max).float()
+    rounded = torch.round(y64 / ulp) * ulp
+    if fmt.special == "fnu":  # no zero and no subnormals: the smallest value is the smallest normal
+        rounded = rounded.clamp(min=fmt.smallest_normal)
+    return rounded.clamp(-fmt.max, fmt.max).float()
