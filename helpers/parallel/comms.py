@@ -73,8 +73,8 @@ def _on_wire(x: torch.Tensor, wire_dtype, reduces: bool) -> torch.Tensor:
         x = x.to(wire_dtype)
     if x.dtype in _FP8:
         if reduces:
-            raise ValueError(f"{x.dtype} cannot be reduced on the wire (gloo and NCCL add no fp8): reduce in "
-                             f"bf16 or fp32 and cast after")
+            raise ValueError(f"{x.dtype} is not reduced on the wire here (gloo adds no fp8; NCCL does from "
+                             f"2.24, which the book does not rely on): reduce in bf16 or fp32 and cast after")
         x = x.view(torch.uint8)
     return x.contiguous()
 
