@@ -30,8 +30,12 @@ def _speaks() -> bool:
     return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
 
 
-def verify(exercise: str, checker: Callable, *, solution, wrong: dict[str, object]) -> None:
+def verify(exercise: str, checker: Callable, *, solution, wrong: dict[str, object],
+           reasons: dict[str, str] | None = None) -> None:
     """The checker accepts ``solution`` and rejects every answer in ``wrong`` (label -> answer).
+
+    ``reasons`` (label -> words): the rejection of that answer must say these words, so that a checker which
+    rejects it for another mistake's reason (a probe that fires first) fails the build.
 
     On ranks, only rank 0 prints (the page would otherwise show every line once per rank); every rank still
     runs the checker, and a rank whose checker fails raises.
@@ -46,6 +50,9 @@ def verify(exercise: str, checker: Callable, *, solution, wrong: dict[str, objec
             try:
                 checker(answer)
             except CheckFailed as err:
+                if reasons and label in reasons and reasons[label] not in str(err):
+                    raise CheckFailed(f"exercise {exercise!r}: the checker rejected '{label}' with another "
+                                      f"mistake's message (expected {reasons[label]!r}): {err}") from None
                 # the planted failure is expected: keep one passing row instead of the failed ones
                 del RESULTS[before:]
                 RESULTS.append(CheckResult(f"exercise {exercise}: rejects '{label}'", _where(), 0.0, 0.0,

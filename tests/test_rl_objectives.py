@@ -83,8 +83,10 @@ def test_gae_matches_the_sum_of_discounted_deltas():
 
 
 def _loss_and_grad(fn, ratio, advantages, **kw):
-    logp = torch.zeros(len(ratio), 1, **F64, requires_grad=True)
-    old = -torch.log(torch.tensor(ratio, **F64))[:, None]
+    # log-probabilities away from 0: at log pi = 0 a term A log pi d(weight) would vanish and hide a weight
+    # left undetached (CISPO)
+    logp = torch.full((len(ratio), 1), -0.7, **F64, requires_grad=True)
+    old = logp.detach() - torch.log(torch.tensor(ratio, **F64))[:, None]
     loss = fn(logp, old, torch.tensor(advantages, **F64), **kw)
     loss.sum().backward()
     return loss.detach()[:, 0], logp.grad[:, 0]
@@ -111,6 +113,21 @@ def test_cispo_keeps_the_gradient_of_clipped_tokens():
     close(grad, [-1.28, 0.5, -2.2])  # -sg(clip(rho)) A, no lower bound: 0.5 stays 0.5
     _, grad = _loss_and_grad(rl.cispo_loss, [1.5, 0.5, 1.1], [1.0, -1.0, 2.0], eps_high=0.28, eps_low=0.2)
     close(grad, [-1.28, 0.8, -2.2])
+    # and the loss itself: -sg(clip(rho)) A log pi, with log pi = -0.7
+    close(loss, [-1.28 * 1.0 * -0.7, 0.5 * 1.0 * -0.7, -1.1 * 2.0 * -0.7])
+
+
+def test_aggregation_of_a_response_without_tokens_is_never_nan():
+    # TRL's choice: the empty response adds 0 and still counts in B (verl would leave it out of the count)
+    mask = torch.tensor([[1, 1, 0], [0, 0, 0]], **F64)
+    loss = torch.tensor([[2.0, 4.0, 9.0], [5.0, 5.0, 5.0]], **F64, requires_grad=True)
+    close(rl.aggregate(loss, mask, "seq-mean-token-mean").detach(), (2 + 4) / 2 / 2)
+    close(rl.token_weights(mask, "seq-mean-token-mean"), [[1 / 4, 1 / 4, 0], [0, 0, 0]])
+    close(rl.aggregate(loss, mask, "token-mean").detach(), (2 + 4) / 2)
+    none = torch.zeros(2, 3, **F64)
+    for mode in ("seq-mean-token-mean", "token-mean"):
+        close(rl.aggregate(loss, none, mode).detach(), 0.0)
+        close(rl.token_weights(none, mode), torch.zeros(2, 3, **F64))
 
 
 def test_gspo_one_ratio_per_response():

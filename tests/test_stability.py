@@ -124,6 +124,45 @@ def test_stable_loss_is_cross_entropy_plus_z_loss():
     assert torch.equal(loss.log_z, torch.logsumexp(capped, -1))
 
 
+def test_stable_loss_leaves_out_the_z_loss_of_ignored_targets():
+    torch.manual_seed(0)
+    logits, targets = torch.randn(2, 5, 7, dtype=torch.float64), torch.randint(0, 7, (2, 5))
+    targets[0, :3] = -100  # e.g. a prompt's positions: no loss there, so no z-loss either
+    loss = stability.StableLoss(z_coefficient=1e-4)
+    z = torch.logsumexp(logits, -1)
+    kept = [(b, t) for b in range(2) for t in range(5) if targets[b, t] != -100]  # 7 of the 10 positions
+    want = F.cross_entropy(logits.reshape(-1, 7), targets.reshape(-1)) + 1e-4 * sum(
+        float(z[b, t]) ** 2 for b, t in kept) / len(kept)
+    assert loss(logits, targets).item() == pytest.approx(want.item(), rel=1e-14)
+    # nothing counted: the z-loss is 0, never 0/0
+    assert stability.z_loss(logits, 1e-4, torch.zeros(2, 5, dtype=torch.bool)).item() == 0.0
+
+
+def test_skip_rule_is_olmo_cores():
+    # OLMo-core's SkipStepOptimizer (v2.5.0): judged once max(2, 128 // 2) = 64 values are known (the last one
+    # included), on the mean and sample std of those before it; only a rise above 6 std skips
+    history = [1.0, 3.0] * 40  # mean 2, sample std of an even alternation of n values: sqrt(n / (n - 1))
+    n = 63
+    std63 = math.sqrt(sum((v - sum(history[:n]) / n) ** 2 for v in history[:n]) / (n - 1))
+    mean63 = sum(history[:n]) / n
+    up = mean63 + 6.5 * std63
+    flat = [1.0] * 200
+    assert stability.is_outlier(history[:n] + [up], flat[:n + 1], 6.0)      # 64 values: judged, skipped
+    assert not stability.is_outlier(history[:n - 1] + [up], flat[:n], 6.0)  # 63 values: not judged yet
+    down = mean63 - 6.5 * std63
+    assert not stability.is_outlier(history[:n] + [down], flat[:n + 1], 6.0)  # a fall is never skipped
+    assert not stability.is_outlier(history[:n] + [mean63 + 5.5 * std63], flat[:n + 1], 6.0)
+    # the gradient norm alone can skip; a history without spread makes any rise an outlier
+    assert stability.is_outlier(history[:n] + [2.0], flat[:n] + [1.0 + 1e-9], 6.0)
+    # a short window: judged from max(2, 8 // 2) = 4 values (before 2025-01-21 OLMo-core waited for 20)
+    assert stability.is_outlier([1.0, 3.0, 1.0, 100.0], [1.0] * 4, 6.0, window=8)
+    assert not stability.is_outlier([1.0, 3.0, 100.0], [1.0] * 3, 6.0, window=8)
+    # the window: only the 128 values before the last count (a huge early value is forgotten)
+    long = [1e6] + history * 2
+    assert stability.is_outlier(long[:130] + [up], flat[:131], 6.0) == stability.is_outlier(
+        long[1:130] + [up], flat[:130], 6.0)
+
+
 def test_rows_counted_once_over_the_tp_ranks():
     cfg = small_config(n_kv_heads=1)  # tp=2 > n_kv_heads: the KV head is copied onto both ranks
     grads = {name: torch.randn(p.shape, dtype=torch.float64) for name, p in GPT(cfg).named_parameters()}

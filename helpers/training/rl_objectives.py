@@ -174,27 +174,30 @@ def aggregate(loss: torch.Tensor, mask: torch.Tensor, mode: str, *, max_len: int
       ``n_sequences * max_len``.
 
     A data-parallel rank holds some of the responses: it passes the whole batch's ``n_sequences`` or
-    ``n_tokens``, so that the ranks' losses add up to the single process's."""
+    ``n_tokens``, so that the ranks' losses add up to the single process's.
+
+    A response with no tokens (its mask all 0) adds 0 and still counts in ``n_sequences``, as TRL's GRPO loss
+    counts it (verl instead leaves it out of the count); a batch without any token gives 0. Never 0/0."""
     _check_mode(mode, max_len)
     mask = mask.to(loss.dtype)
     n_sequences = loss.shape[0] if n_sequences is None else n_sequences
     if mode == "token-mean":
-        return (loss * mask).sum() / (mask.sum() if n_tokens is None else n_tokens)
+        return (loss * mask).sum() / (mask.sum().clamp(min=1) if n_tokens is None else max(n_tokens, 1))
     if mode == "seq-mean-token-mean":
-        return ((loss * mask).sum(dim=1) / mask.sum(dim=1)).sum() / n_sequences
+        return ((loss * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1)).sum() / n_sequences
     return (loss * mask).sum() / (n_sequences * max_len)
 
 
 def token_weights(mask: torch.Tensor, mode: str, max_len: int | None = None) -> torch.Tensor:
     """The weight each token's loss gets in :func:`aggregate`, written out: ``1 / (B |o_i|)``,
-    ``1 / sum_i |o_i|`` or ``1 / (B max_len)``, on (B, T)."""
+    ``1 / sum_i |o_i|`` or ``1 / (B max_len)``, on (B, T); 0 on a response with no tokens."""
     _check_mode(mode, max_len)
     mask = mask.to(torch.float64)
     lengths = mask.sum(dim=1, keepdim=True)
     if mode == "seq-mean-token-mean":
-        return mask / (mask.shape[0] * lengths)
+        return mask / (mask.shape[0] * lengths.clamp(min=1))
     if mode == "token-mean":
-        return mask / lengths.sum()
+        return mask / lengths.sum().clamp(min=1)
     return mask / (mask.shape[0] * max_len)
 
 

@@ -65,9 +65,15 @@ def log_z(logits: torch.Tensor) -> torch.Tensor:
     return torch.logsumexp(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)
 
 
-def z_loss(logits: torch.Tensor, coefficient: float = 1e-4) -> torch.Tensor:
-    """PaLM's auxiliary loss ``coefficient * log^2 Z``, averaged over the tokens: it pulls ``log Z`` to 0."""
-    return coefficient * log_z(logits).pow(2).mean()
+def z_loss(logits: torch.Tensor, coefficient: float = 1e-4,
+           counted: torch.Tensor | None = None) -> torch.Tensor:
+    """PaLM's auxiliary loss ``coefficient * log^2 Z``, averaged over the tokens: it pulls ``log Z`` to 0.
+    ``counted`` (booleans, the logits' shape without the vocabulary): the tokens the loss counts, as the
+    cross-entropy does those whose target is not -100; none counted gives 0."""
+    squares = log_z(logits).pow(2)
+    if counted is None:
+        return coefficient * squares.mean()
+    return coefficient * squares[counted].sum() / counted.sum().clamp(min=1)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -124,7 +130,8 @@ class StableLoss:
             logits = soft_cap(logits, self.cap)
         self.log_z, self.max_logit = log_z(logits.detach()), float(logits.detach().abs().max())
         loss = cross_entropy(logits, targets)
-        return loss + z_loss(logits, self.z_coefficient) if self.z_coefficient else loss
+        counted = targets != -100  # the cross-entropy's ignore_index: no z-loss where it counts no loss
+        return loss + z_loss(logits, self.z_coefficient, counted) if self.z_coefficient else loss
 
 
 def stabilize(model: GPT, *, qk_norm: bool = False, attention_cap: float | None = None,
@@ -181,20 +188,22 @@ def warmup_lr(step: int, lr: float, warmup: int) -> float:
     return lr * min(1.0, (step + 1) / warmup) if warmup else lr
 
 
-def z_score(value: float, history: list[float]) -> float:
-    """How many standard deviations ``value`` lies from the mean of ``history``."""
+def above(value: float, history: list[float], sigmas: float) -> bool:
+    """OLMo-core's test: ``value - mean(history) > sigmas * std(history)`` (the sample std). One-sided: a
+    value that falls far below the mean is not an outlier; a history without spread makes any rise one."""
     h = torch.tensor(history, dtype=torch.float64)
-    return abs(value - float(h.mean())) / float(h.std())
+    return value - float(h.mean()) > sigmas * float(h.std())
 
 
 def is_outlier(loss: list[float], grad_norm: list[float], sigmas: float, window: int = 128) -> bool:
-    """OLMo-core's skip rule: the last step's loss or gradient norm lies more than ``sigmas`` standard
-    deviations from the mean of the ``window`` steps before it (judged once ``max(20, window // 2)`` are
-    known; outliers stay in the history)."""
-    if len(loss) - 1 < max(20, window // 2):
+    """OLMo-core's skip rule (``SkipStepOptimizer.get_step_factor``, as of v2.5.0): the last step's loss or
+    gradient norm lies more than ``sigmas`` standard deviations *above* the mean of the (up to) ``window``
+    steps before it, judged once ``max(2, window // 2)`` values are known, the last one included (outliers
+    stay in the history)."""
+    if len(loss) < max(2, window // 2):
         return False
-    return (z_score(loss[-1], loss[-window - 1:-1]) > sigmas
-            or z_score(grad_norm[-1], grad_norm[-window - 1:-1]) > sigmas)
+    return (above(loss[-1], loss[-window - 1:-1], sigmas)
+            or above(grad_norm[-1], grad_norm[-window - 1:-1], sigmas))
 
 
 def layer_of(name: str) -> str:
@@ -224,6 +233,7 @@ class Record:
 
     loss: list = field(default_factory=list)             # the batch's cross-entropy, before the step
     grad_norm: list = field(default_factory=list)        # the global gradient norm, before clipping
+    grad_norm_after: list = field(default_factory=list)  # the same, measured on the gradients after clipping
     layer_grad_norm: list = field(default_factory=list)  # {layer: gradient norm}
     update_ratio: list = field(default_factory=list)     # {layer: ||W_after - W_before|| / ||W_before||}
     max_logit: list = field(default_factory=list)        # (layers, heads): each head's largest logit
@@ -291,6 +301,7 @@ def forward_backward(model: GPT, fixes: Fixes, rec: Record):
         rec.layer_grad_norm.append({k: math.sqrt(v) for k, v in squares.items()})
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), fixes.clip or math.inf)
         rec.grad_norm.append(float(norm))
+        rec.grad_norm_after.append(math.sqrt(sum(float(n) for n in squared_norms(list(grads)))))
         return loss
     return step
 
