@@ -71,8 +71,10 @@ chapter: $(STAMP)
 torchrun: $(STAMP)
 	$(REAP) $(PY) -m helpers.tools.px_script $(CH) --nproc $(NPROC)
 
-# Only CH given on the command line picks one chapter's rows; without it, every row.
+# Only CH given on the command line picks one chapter's rows; without it, every row. A CH that is no chapter
+# is refused in one line first (run_chapter --check), as make chapter and make torchrun refuse it.
 bench: $(STAMP)
+	$(if $(filter command line,$(origin CH)),@$(PY) -m helpers.tools.run_chapter --check '$(CH)')
 	$(REAP) $(PY) -m helpers.tools.bench $(if $(filter command line,$(origin CH)),--chapter $(CH))
 
 sync: $(STAMP)
