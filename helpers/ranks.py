@@ -370,7 +370,19 @@ def start_ranks(world_size: int = 4, *, timeout_s: float | None = None, activate
             # Output grouped by rank, in rank order, once every rank is done: the same page on every build.
             shell.run_line_magic("pxconfig", "--no-stream --progress-after -1")
             book_errors.install(shell)  # a failure shows its message and its rank, not four tracebacks
+            # An interrupt that %%px does not catch (of a %%px --local cell's local run, or of ranks.apply):
+            # the ranks stop too, else the cell would wait for them to end their part by themselves.
+            shell.set_custom_exc((KeyboardInterrupt,), _interrupt_ranks_too)
     return ranks
+
+
+def _interrupt_ranks_too(shell, etype, value, tb, tb_offset=None):
+    shell.showtraceback((etype, value, tb), tb_offset=tb_offset)
+    if _current is not None and _current.cluster is not None and _current._busy():
+        try:
+            _current.interrupt()
+        except Interrupted as e:
+            print(f"Interrupted: {e}", file=sys.stderr)
 
 
 @atexit.register

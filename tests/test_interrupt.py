@@ -95,6 +95,17 @@ def test_the_stop_button_stops_the_ranks_and_the_kernel_answers(kernel):
     assert "[2.0, 2.0]" in run(kc, "print([t.item() for t in ranks.pull('x')])", 10)["text"]
 
 
+def test_the_stop_button_stops_a_local_and_remote_cell_on_both_sides(kernel):
+    """%%px --local runs the cell in the kernel, then waits for the ranks: an interrupt of the kernel's part
+    stops the ranks' part too."""
+    km, kc = kernel
+    answer, took = interrupt(km, kc, SLEEPING_CELL.replace("%%px", "%%px --local"), BOUND_S)
+    assert "Interrupted: the ranks stopped the cell" in answer["text"], answer["text"]
+    assert took < BOUND_S
+    assert run(kc, "%%px\nimport torch, torch.distributed as dist\ny = torch.ones(1)\ndist.all_reduce(y)",
+               10)["status"] == "ok"
+
+
 def test_ranks_stuck_in_a_collective_are_restarted_saying_so(kernel):
     km, kc = kernel
     pids = run(kc, "print(*ranks.pids)", 10)["text"].split()
