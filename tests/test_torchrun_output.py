@@ -74,15 +74,20 @@ def test_a_rank_count_error_ends_the_output_and_nothing_is_left_in_tmp(tmp_path)
 
 
 def test_output_streams_and_a_run_past_its_limit_is_stopped_saying_so(tmp_path):
-    status, lines, took, tmpdir = px_script(tmp_path, "--nproc", "2", BOOK_TORCHRUN_TIMEOUT="12",
+    status, lines, took, tmpdir = px_script(tmp_path, "--nproc", "2", BOOK_TORCHRUN_TIMEOUT="15",
                                             TINY_SLEEP="60")
     text = "\n".join(line for _, line in lines)
     assert status == 124, text
-    assert 12 <= took < 30, took
-    first = min(t for t, line in lines if re.fullmatch(r"rank \d started", line))
-    assert first < took - 3, f"the ranks' first line came at {first:.1f} s of {took:.1f} s: not streamed"
-    assert lines[-1][1] == ("px_script: stopped after 12 s (BOOK_TORCHRUN_TIMEOUT): every rank joined the "
-                            "process group, and the run did not end in time"), text
+    assert 15 <= took < 35, took
+    # torchrun's first line (its banner, or a rank's) came as it was written, not at the end
+    assert lines and lines[0][0] < took - 3, f"the first line came at {lines[0][0]:.1f} s of {took:.1f} s"
+    # who joined depends on how fast two ranks import torch on a loaded machine; each case is named
+    assert re.fullmatch(r"px_script: stopped after 15 s \(BOOK_TORCHRUN_TIMEOUT\): (every rank joined the "
+                        r"process group, and the run did not end in time|none of the 2 ranks joined the "
+                        r"process group|rank \d of 2 joined the process group here; rank \d never did)",
+                        lines[-1][1]), text
+    if any(re.fullmatch(r"rank \d started", line) for _, line in lines):
+        assert lines[-1][1].endswith("every rank joined the process group, and the run did not end in time")
     assert os.listdir(tmpdir) == [], os.listdir(tmpdir)
 
 

@@ -276,8 +276,7 @@ def run(chapter: str, nproc: int, timeout_s: float | None = None, *, nnodes: int
             stderr.write(f"px_script: stopped after {timeout_s:g} s ({TIMEOUT_ENV}): "
                          f"{_who_never_joined(joined, nproc, nnodes, rdzv_endpoint, rdzv_id)}\n")
         for (name, message), ranks in errors.items():  # the book's own line, last
-            who = f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, sorted(ranks)))
-            stderr.write(f"px_script: on {who}: {name}: {message}\n")
+            stderr.write(f"px_script: on {_ranks(ranks)}: {name}: {message}\n")
         stderr.flush()
         return status
 
@@ -315,16 +314,22 @@ def _who_never_joined(joined: str, nproc: int, nnodes: int, endpoint: str | None
     if here:
         world = nproc * nnodes
         missing = [r for r in range(world) if r not in here]
-        return (f"ranks {', '.join(map(str, here))} of {world} joined the process group here; "
-                f"{', '.join(map(str, missing))} never did" + (" here (some may run on the other nodes)"
-                                                                if nnodes > 1 else ""))
+        return (f"{_ranks(here)} of {world} joined the process group here; {_ranks(missing)} never did"
+                + (" here (some may run on the other nodes)" if nnodes > 1 else ""))
     if endpoint is None:
         return f"none of the {nproc} ranks joined the process group"
     nodes = _rendezvous_nodes(endpoint, rdzv_id)
+    if nodes is not None and len(nodes) >= nnodes:
+        return f"all {nnodes} nodes met at {endpoint}, and none of this node's {nproc} ranks joined the " \
+               f"process group"
     seen = f"{len(nodes)} of {nnodes} nodes joined ({', '.join(nodes)})" if nodes is not None else \
         f"not all {nnodes} nodes joined"
     return (f"the rendezvous at {endpoint} (--rdzv-id {rdzv_id}) never completed: {seen}; start every node's "
             f"launch, --node-rank 0 to {nnodes - 1}, with the same endpoint and --rdzv-id")
+
+
+def _ranks(ranks: list[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, sorted(ranks)))
 
 
 def _rendezvous_nodes(endpoint: str, rdzv_id: str) -> list[str] | None:
