@@ -222,14 +222,14 @@ def export(path: str) -> str:
 
 def run(chapter: str, nproc: int, timeout_s: float | None = None, *, nnodes: int = 1, node_rank: int = 0,
         rdzv_endpoint: str | None = None, rdzv_id: str = "book", local_addr: str | None = None,
-        stdout=None, stderr=None) -> int:
-    """Export the chapter and run it under torchrun, its output passed on line by line as it comes; the exit
-    status. ``timeout_s`` defaults to :func:`timeout_setting`.
+        stream: bool = False) -> subprocess.CompletedProcess:
+    """Export the chapter and run it under torchrun; the completed process, its output captured (and, with
+    ``stream``, passed on line by line as it comes). ``timeout_s`` defaults to :func:`timeout_setting`; a run
+    stopped by it has status 124.
 
     Without ``rdzv_endpoint``: one node, a file rendezvous. With it: this node's share of a run over
     ``nnodes`` launches (:func:`multinode_torchrun_args`).
     """
-    stdout, stderr = stdout or sys.stdout, stderr or sys.stderr
     timeout_s = timeout_setting() if timeout_s is None else timeout_s
     if nnodes > 1 and rdzv_endpoint is None:
         raise BadValue(f"--nnodes={nnodes}: several nodes need a rendezvous endpoint (--rdzv-endpoint "
@@ -254,8 +254,10 @@ def run(chapter: str, nproc: int, timeout_s: float | None = None, *, nnodes: int
         proc = subprocess.Popen(cmd, env=env, cwd=os.path.dirname(path), stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, text=True, start_new_session=True)
         errors: dict[tuple[str, str], list[int]] = {}
-        readers = [threading.Thread(target=_relay, args=(pipe, out, errors), daemon=True)
-                   for pipe, out in ((proc.stdout, stdout), (proc.stderr, stderr))]
+        out, err = [], []
+        readers = [threading.Thread(target=_relay, args=(pipe, kept, passed if stream else None, errors),
+                                    daemon=True)
+                   for pipe, kept, passed in ((proc.stdout, out, sys.stdout), (proc.stderr, err, sys.stderr))]
         for reader in readers:
             reader.start()
         try:
@@ -265,27 +267,30 @@ def run(chapter: str, nproc: int, timeout_s: float | None = None, *, nnodes: int
             status = 124
         except KeyboardInterrupt:  # torchrun runs in a session of its own: Ctrl-C reaches only this process
             _end(proc)
-            stderr.write("interrupted\n")
-            return 130
+            raise
         finally:
             if proc.poll() is None:
                 _end(proc)
         for reader in readers:
             reader.join(timeout=5)
-        if status == 124:
-            stderr.write(f"px_script: stopped after {timeout_s:g} s ({TIMEOUT_ENV}): "
-                         f"{_who_never_joined(joined, nproc, nnodes, rdzv_endpoint, rdzv_id)}\n")
-        for (name, message), ranks in errors.items():  # the book's own line, last
-            stderr.write(f"px_script: on {_ranks(ranks)}: {name}: {message}\n")
-        stderr.flush()
-        return status
+        who = _who_never_joined(joined, nproc, nnodes, rdzv_endpoint, rdzv_id) if status == 124 else None
+        last = [f"px_script: stopped after {timeout_s:g} s ({TIMEOUT_ENV}): {who}\n"] if who else []
+        last += [f"px_script: on {_ranks(ranks)}: {name}: {message}\n"  # the book's own lines, last
+                 for (name, message), ranks in errors.items()]
+        if stream:
+            sys.stderr.writelines(last)
+            sys.stderr.flush()
+        return subprocess.CompletedProcess(cmd, status, "".join(out), "".join(err + last))
 
 
-def _relay(pipe, out, errors: dict) -> None:
-    """Pass each line on as it comes; note each rank's error line (torch prefixes it with ``[rankN]:``)."""
+def _relay(pipe, kept: list, out, errors: dict) -> None:
+    """Keep each line, pass it on to ``out`` (if any) as it comes, and note each rank's error line (torch
+    prefixes it with ``[rankN]:``)."""
     for line in pipe:
-        out.write(line)
-        out.flush()
+        kept.append(line)
+        if out is not None:
+            out.write(line)
+            out.flush()
         found = RANK_ERROR.match(line.rstrip("\n"))
         if found and found.group(2) != "Traceback":
             errors.setdefault((found.group(2), found.group(3)), []).append(int(found.group(1)))
@@ -380,10 +385,14 @@ def main(argv=None) -> int:
         if args.rdzv_endpoint is not None:
             split_endpoint(args.rdzv_endpoint)
         return run(path, nproc, timeout_s, nnodes=nnodes, node_rank=node_rank,
-                   rdzv_endpoint=args.rdzv_endpoint, rdzv_id=args.rdzv_id, local_addr=args.local_addr)
+                   rdzv_endpoint=args.rdzv_endpoint, rdzv_id=args.rdzv_id, local_addr=args.local_addr,
+                   stream=True).returncode
     except ValueError as err:
         print(f"px_script: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":
