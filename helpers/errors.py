@@ -110,7 +110,10 @@ def fail_tasks(client, rank: int, exception: Exception) -> None:
                 if output is not None and not output.done():
                     output.set_result(None)
 
-    client._io_loop.add_callback(fail)
+    try:
+        client._io_loop.add_callback(fail)
+    except RuntimeError:  # the client is closed (its loop with it): nobody waits for these tasks
+        pass
 
 
 def watch_engines(stopped: threading.Event, client, pids: list[int], dead: dict[int, int]) -> None:
@@ -124,6 +127,8 @@ def watch_engines(stopped: threading.Event, client, pids: list[int], dead: dict[
             if rank not in dead:
                 if alive(pid):
                     continue
+                if stopped.is_set():  # the ranks are being stopped: their engines die on purpose
+                    return
                 dead[rank] = pid
                 for other in set(pids) - {pid}:
                     try:
