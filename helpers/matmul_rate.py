@@ -86,7 +86,8 @@ def elementwise_bytes(model, tokens: int, tp: int, sp: bool, act_bytes: int = 2)
     return act_bytes * (outside + inside)
 
 
-def compute_profile(model, batch, layout, act, cluster, elementwise: bool = True) -> dict:
+def compute_profile(model, batch, layout, act, cluster, elementwise: bool = True, causal_skip: bool = True
+                    ) -> dict:
     """FLOPs and seconds of one rank's step on the busiest-stage average: ``flops``, ``seconds`` (all of it),
     ``linear_s`` (the layers' GEMMs, which tensor-parallel traffic can hide behind) and ``attention_s`` (the
     attention cores, which context-parallel traffic can hide behind), each for the whole model on one
@@ -104,7 +105,7 @@ def compute_profile(model, batch, layout, act, cluster, elementwise: bool = True
             linear_s += repeat * n_layers * gemm_seconds(m, k, n, P.peak_flops, P.efficiency, P.hbm_bw,
                                                          count=count)
         a_flops, a_s = attention_seconds(model, tokens, batch.seq_len, L.tp, P, act.attention == "flash",
-                                         blocks=L.cp)
+                                         causal=causal_skip, blocks=L.cp)
         a_repeat = 4 if act.recompute in ("full", "selective") else 3
         flops += a_repeat * n_layers * a_flops
         attention_s += a_repeat * n_layers * a_s

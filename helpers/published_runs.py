@@ -76,17 +76,20 @@ A100_JEAN_ZAY = replace(A100, name="8x A100 80GB per node, NVLink and 4x100 Gb/s
 _N21 = dict(cluster=A100, seq_len=2048, citation="narayanan2021efficient", counts="hardware", role="fit",
             recompute="full", zero=0, sp=False, attention="materialized",
             precision=memory_budget.BF16_FP32_GRADS,
-            note="Megatron-LM 2021: fp16, fp32 main gradients, full recomputation (eq. 3 counts it), no SP")
-_ROWS = [  # params, heads, hidden, layers, tp, pp, gpus, batch, TFLOP/s per GPU (Table 1)
-    ("1.7B", 24, 2304, 24, 1, 1, 32, 512, 137), ("3.6B", 32, 3072, 30, 2, 1, 64, 512, 138),
-    ("7.5B", 32, 4096, 36, 4, 1, 128, 512, 142), ("18.4B", 48, 6144, 40, 8, 1, 256, 1024, 135),
-    ("39.1B", 64, 8192, 48, 8, 2, 512, 1536, 138), ("76.1B", 80, 10240, 60, 8, 4, 1024, 1792, 140),
-    ("145.6B", 96, 12288, 80, 8, 8, 1536, 2304, 148), ("310.1B", 128, 16384, 96, 8, 16, 1920, 2160, 155),
-    ("529.6B", 128, 20480, 105, 8, 35, 2520, 2520, 163), ("1008B", 160, 25600, 128, 8, 64, 3072, 3072, 163)]
+            note="Megatron-LM 2021: fp16, fp32 main gradients, full recomputation (eq. 3 counts it), no SP; "
+                 "micro-batch and virtual stages from Megatron-LM's examples/sc21/run_table_1.sh")
+_ROWS = [  # params, heads, hidden, layers, tp, pp, gpus, batch, micro-batch, vpp, TFLOP/s per GPU (Table 1)
+    ("1.7B", 24, 2304, 24, 1, 1, 32, 512, 16, 1, 137), ("3.6B", 32, 3072, 30, 2, 1, 64, 512, 16, 1, 138),
+    ("7.5B", 32, 4096, 36, 4, 1, 128, 512, 16, 1, 142), ("18.4B", 48, 6144, 40, 8, 1, 256, 1024, 8, 1, 135),
+    ("39.1B", 64, 8192, 48, 8, 2, 512, 1536, 4, 1, 138), ("76.1B", 80, 10240, 60, 8, 4, 1024, 1792, 2, 3, 140),
+    ("145.6B", 96, 12288, 80, 8, 8, 1536, 2304, 2, 2, 148),
+    ("310.1B", 128, 16384, 96, 8, 16, 1920, 2160, 1, 2, 155),
+    ("529.6B", 128, 20480, 105, 8, 35, 2520, 2520, 1, 3, 163),
+    ("1008B", 160, 25600, 128, 8, 64, 3072, 3072, 1, 1, 163)]
 NARAYANAN_2021 = [Run(f"GPT {p} (Megatron-LM)", _gpt(f"GPT {p}", layers, hidden, heads), gpus=gpus,
-                      global_batch=batch, tp=tp, pp=pp, dp=gpus // (tp * pp), tflops_per_gpu=tf,
-                      where=f"Table 1, row {p}", **_N21)
-                  for p, heads, hidden, layers, tp, pp, gpus, batch, tf in _ROWS]
+                      global_batch=batch, tp=tp, pp=pp, dp=gpus // (tp * pp), micro_batch=mb, vpp=vpp,
+                      tflops_per_gpu=tf, where=f"Table 1, row {p}", **_N21)
+                  for p, heads, hidden, layers, tp, pp, gpus, batch, mb, vpp, tf in _ROWS]
 
 from helpers.model_size import LLAMA3_405B  # noqa: E402
 
@@ -105,10 +108,11 @@ _MTNLG = dict(model=_gpt("MT-NLG 530B", 105, 20480, 128, vocab=50272), cluster=A
               precision=memory_budget.BF16_FP32_GRADS,
               note="DeepSpeed's pipeline (no interleaving) with Megatron's tensor parallelism")
 BLOOM = Run("BLOOM 176B", _gpt("BLOOM 176B", 70, 14336, 112, vocab=250880, positions=False), A100_JEAN_ZAY,
-            gpus=384, seq_len=2048, global_batch=2048, tp=4, pp=12, dp=8, tflops_per_gpu=150,
-            counts="hardware", citation="bigscience2022bloom", where="model card: training throughput",
+            gpus=384, seq_len=2048, global_batch=2048, tp=4, pp=12, dp=8, micro_batch=2, tflops_per_gpu=150,
+            counts="hardware", citation="bigscience2022bloom", where="the 176B model's summary page",
             role="held-out", recompute="full", vpp=1, zero=1, sp=False, attention="materialized",
-            note="Megatron-DeepSpeed, ZeRO-1, bf16; 'about 150 TFLOPs' per GPU; ALiBi, no position table")
+            note="'about 150 TFLOPs' per GPU; layout, micro-batch 2, full recomputation and bf16 with DeepSpeed's "
+                 "ZeRO-1 equivalent from bigscience's train/tr11-176B-ml/tr11-176B-ml.slurm; ALiBi")
 HELD_OUT = [Run(f"MT-NLG 530B, {g:,} GPUs", gpus=g, dp=g // 280, tflops_per_gpu=tf,
                 where=f"section 2.4 ({g // 8} DGX nodes)", **_MTNLG)
             for g, tf in ((2240, 126), (2800, 121), (3360, 113))] + [BLOOM]

@@ -58,7 +58,7 @@ class Cluster:
 # when they drift); flash attention at the 50 % of peak FlashAttention-2 reports as its lower end on A100
 # (Dao 2023: 50-73 %). Memory bandwidths from the vendors' datasheets (H100 SXM 3.35 TB/s, A100 80GB
 # 2.0 TB/s).
-H100_CEILING, A100_CEILING = 0.65, 0.67
+H100_CEILING, A100_CEILING = 0.654, 0.673
 H100 = Cluster("8x H100 SXM per node, NVLink 4 and 8x400 Gb/s InfiniBand", gpus_per_node=8,
                peak_flops=989e12, intra_bw=360e9, inter_bw=45e9, efficiency=H100_CEILING, hbm_bw=3.35e12)
 # NVIDIA's Selene (Narayanan et al. 2021, section 5): DGX A100 nodes, NVLink 3 (600 GB/s both ways, 300 one
@@ -75,6 +75,8 @@ class Assumptions:
 
     - ``gemm_shape``: each GEMM at its shape's rate (:mod:`helpers.matmul_rate`); off: every matmul at the
       cluster's ``efficiency``.
+    - ``causal_skip``: a causal flash-attention kernel skips the masked half of the product (FlashAttention-2,
+      Dao 2023), though MFU counts all of it; off: it computes the whole square.
     - ``elementwise``: the memory-bound operations (norms, residuals, activations) at the memory bandwidth;
       off: free (only with ``gemm_shape``).
     - ``tp_overlap``: with sequence parallelism, the all-gathers and reduce-scatters are split and pipelined
@@ -88,6 +90,7 @@ class Assumptions:
     """
 
     gemm_shape: bool = True
+    causal_skip: bool = True
     elementwise: bool = True
     tp_overlap: bool = True
     dp_overlap: bool = True
@@ -289,7 +292,8 @@ def step_time(b: Budget, cluster: Cluster, overlap: bool = True, assumptions: As
     L, m = b.layout, b.micro_batches
     shaped = A.gemm_shape and cluster.hbm_bw is not None
     if shaped:
-        profile = compute_profile(b.model, b.batch, L, b.activations_model, cluster, A.elementwise)
+        profile = compute_profile(b.model, b.batch, L, b.activations_model, cluster, A.elementwise,
+                                  A.causal_skip)
         efficiency = profile["flops"] / (profile["seconds"] * cluster.peak_flops)
     else:
         efficiency = cluster.efficiency
