@@ -79,9 +79,11 @@ _N21 = dict(cluster=A100, seq_len=2048, citation="narayanan2021efficient", count
             note="Megatron-LM 2021: fp16, fp32 main gradients, full recomputation (eq. 3 counts it), no SP; "
                  "micro-batch and virtual stages from Megatron-LM's examples/sc21/run_table_1.sh")
 _ROWS = [  # params, heads, hidden, layers, tp, pp, gpus, batch, micro-batch, vpp, TFLOP/s per GPU (Table 1)
-    ("1.7B", 24, 2304, 24, 1, 1, 32, 512, 16, 1, 137), ("3.6B", 32, 3072, 30, 2, 1, 64, 512, 16, 1, 138),
+    ("1.7B", 24, 2304, 24, 1, 1, 32, 512, 16, 1, 137),
+    ("3.6B", 32, 3072, 30, 2, 1, 64, 512, 16, 1, 138),
     ("7.5B", 32, 4096, 36, 4, 1, 128, 512, 16, 1, 142), ("18.4B", 48, 6144, 40, 8, 1, 256, 1024, 8, 1, 135),
-    ("39.1B", 64, 8192, 48, 8, 2, 512, 1536, 4, 1, 138), ("76.1B", 80, 10240, 60, 8, 4, 1024, 1792, 2, 3, 140),
+    ("39.1B", 64, 8192, 48, 8, 2, 512, 1536, 4, 1, 138),
+    ("76.1B", 80, 10240, 60, 8, 4, 1024, 1792, 2, 3, 140),
     ("145.6B", 96, 12288, 80, 8, 8, 1536, 2304, 2, 2, 148),
     ("310.1B", 128, 16384, 96, 8, 16, 1920, 2160, 1, 2, 155),
     ("529.6B", 128, 20480, 105, 8, 35, 2520, 2520, 1, 3, 163),
@@ -111,8 +113,9 @@ BLOOM = Run("BLOOM 176B", _gpt("BLOOM 176B", 70, 14336, 112, vocab=250880, posit
             gpus=384, seq_len=2048, global_batch=2048, tp=4, pp=12, dp=8, micro_batch=2, tflops_per_gpu=150,
             counts="hardware", citation="bigscience2022bloom", where="the 176B model's summary page",
             role="held-out", recompute="full", vpp=1, zero=1, sp=False, attention="materialized",
-            note="'about 150 TFLOPs' per GPU; layout, micro-batch 2, full recomputation and bf16 with DeepSpeed's "
-                 "ZeRO-1 equivalent from bigscience's train/tr11-176B-ml/tr11-176B-ml.slurm; ALiBi")
+            note="'about 150 TFLOPs' per GPU; layout, micro-batch 2, full recomputation and bf16 with "
+                 "DeepSpeed's ZeRO-1 equivalent from bigscience's train/tr11-176B-ml/tr11-176B-ml.slurm; "
+                 "ALiBi")
 HELD_OUT = [Run(f"MT-NLG 530B, {g:,} GPUs", gpus=g, dp=g // 280, tflops_per_gpu=tf,
                 where=f"section 2.4 ({g // 8} DGX nodes)", **_MTNLG)
             for g, tf in ((2240, 126), (2800, 121), (3360, 113))] + [BLOOM]

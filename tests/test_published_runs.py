@@ -75,7 +75,8 @@ def test_the_published_llama3_layout_fits_and_ranks_in_the_top_tenth():
     run = published_runs.LLAMA3[1]
     p = published_runs.predict(run)
     assert p.candidate.budget.total_bytes + memory_budget.FRAMEWORK_ALLOWANCE <= 80e9
-    result = layout_search.search(model_size.LLAMA3_405B, time_model.H100, 16384, 8192, 2048, micro_batches=(1,))
+    result = layout_search.search(model_size.LLAMA3_405B, time_model.H100, 16384, 8192, 2048,
+                                  micro_batches=(1,))
     rank, c = result.rank_of(dp=128, tp=8, pp=16, cp=1)
     assert rank <= 0.1 * len(result.ranked)
     assert {x.layout.vpp for x in result.ranked if x.layout.pp == 16} == set(range(1, 8))
