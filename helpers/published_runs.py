@@ -10,6 +10,14 @@ their eq. 3, which includes the recomputed forward (``counts="hardware"``); Llam
 (``counts="model"``, its MFU column). A knob the source leaves unstated (micro-batch, virtual stages,
 recomputation, ZeRO stage) is taken as the layout search would set it: the fastest choice that fits, as a
 framework's user tunes it. :func:`predict` says which were chosen.
+
+Where each number was checked: Narayanan et al.'s shapes, degrees, batches, micro-batches and virtual stages
+in Megatron-LM's ``examples/sc21/run_table_1.sh``, and the first and last rows' 44 % and 52 % of 312 TFLOP/s
+(137 and 163) in the paper's text; the middle rows' TFLOP/s are read off Table 1, an image, by hand. Llama 3's
+GPUs, degrees, tokens per batch and TFLOP/s per GPU in the table of its SC'24 talk, which repeats Table 4.
+MT-NLG's shape, degrees and batch in quotations of its sections 2.2-2.4, its TFLOP/s in llm-analysis's
+reproduction of section 2.4. BLOOM's layout and batch in its launch script, its throughput on BigScience's
+page. torchtitan's rows in ``docs/performance.md`` at commit 0413364.
 """
 
 from __future__ import annotations
