@@ -251,3 +251,19 @@ def fit_ceiling(runs, cluster_of, assumptions=None, lo: float = 0.3, hi: float =
             x2 = a + g * (b - a)
             f2 = loss(x2)
     return (a + b) / 2
+
+
+def rank_in_search(run: Run, cluster=None, assumptions=None):
+    """Where ``run``'s published layout ranks in :func:`helpers.parallel.layout_search.search` for its
+    model, cluster, GPUs and batch: (rank, layouts kept, the fastest kept layout with the run's degrees and,
+    where the source states them, its micro-batch and virtual stages). The search tries micro-batches 1, 2
+    and the run's."""
+    from helpers.parallel import layout_search
+
+    result = layout_search.search(run.model, cluster or run.cluster, run.gpus, run.seq_len, run.global_batch,
+                                  precision=run.precision, memory=run.memory, assumptions=assumptions,
+                                  micro_batches=tuple(sorted({1, 2, run.micro_batch or 1})))
+    fixed = dict(dp=run.dp, tp=run.tp, pp=run.pp, cp=run.cp, ep=run.ep)
+    fixed.update({k: v for k, v in (("micro_batch", run.micro_batch), ("vpp", run.vpp)) if v})
+    rank, candidate = result.rank_of(**fixed)
+    return rank, len(result.ranked), candidate
