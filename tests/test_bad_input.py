@@ -87,3 +87,13 @@ def test_ctrl_c_on_a_chapter_says_interrupted_and_nothing_else():
     assert status == 130
     assert lines[before:] == ["interrupted\n"], "".join(lines[before:])
     assert took < 10
+
+
+@pytest.mark.parametrize("value", ["abc", "7"])
+def test_the_bench_called_directly_refuses_a_chapter_without_rows(value, capsys):
+    from helpers.tools import bench
+
+    with pytest.raises(SystemExit) as stop:
+        bench.main(["--chapter", value])
+    assert stop.value.code == 2
+    assert capsys.readouterr().err == f"--chapter {value}: the bench has rows for chapters 02, 03, 04, 05, 06, 12\n"

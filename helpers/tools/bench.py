@@ -223,7 +223,13 @@ def main(argv: list[str] | None = None, ranks=None) -> list[dict]:
     parser.add_argument("--out", default=os.path.join(ROOT, "_build", "bench"),
                         help="where the CSV and PNG go (default _build/bench)")
     args = parser.parse_args(argv)
-    chapter = None if args.chapter is None else f"{int(args.chapter):02d}"
+    chapter = args.chapter
+    if chapter is not None:
+        chapter = chapter.zfill(2) if chapter.isdigit() else chapter
+        if chapter not in GROUPS:  # one line and status 2, as run_chapter refuses a chapter
+            print(f"--chapter {args.chapter}: the bench has rows for chapters {', '.join(GROUPS)}",
+                  file=sys.stderr)
+            raise SystemExit(2)
     sizes = [int(s) for s in args.sizes.split(",")] if args.sizes else SIZES
     rows = plan(chapter, sizes)
     timing = {"budget_s": args.budget} if args.repeats is None else {"repeats": args.repeats}
