@@ -248,6 +248,15 @@ def text(r: dict) -> str:
     return "\n".join(lines)
 
 
+def page(words: str) -> str:
+    """What the page "Try the calculator" calls in the reader's browser: the command line's words (a JSON
+    list) in, :func:`run`'s report (or ``{"error": the one line}``) out, as JSON."""
+    try:
+        return json.dumps(run(json.loads(words)))
+    except ValueError as e:
+        return json.dumps({"error": str(e)})
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     try:
