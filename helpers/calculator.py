@@ -133,8 +133,9 @@ def _model_json(model: ModelShape, published: dict) -> dict:
            "kv_heads": model.n_kv_heads, "ffn": model.d_ff, "vocab": model.vocab_size,
            "experts": model.n_experts, "top_k": model.top_k, "params": model_size.count_params(model).total,
            "active_params": model_size.active_params(model)}
-    if published:
-        out["published"] = published
+    if published:  # a model is not the world: the published size beside the count, and the gap
+        out["published"] = {**published, "gap": out["params"] / published["total"] - 1,
+                            "active_gap": out["active_params"] / published["active"] - 1}
     return out
 
 
@@ -214,9 +215,11 @@ def text(r: dict) -> str:
     if m["experts"]:
         size += f", {m['active_params'] / 1e9:.2f} B active"
     if pub:
-        size += f"; published {pub['total'] / 1e9:g} B" + (f" / {pub['active'] / 1e9:g} B active"
-                                                            if m["experts"] else "") + f" [{pub['cite']}]"
-    lines = [f"{m['name']} ({size})",
+        size += f"; published {pub['total'] / 1e9:g} B ({pub['gap']:+.1%})"
+        if m["experts"]:
+            size += f", {pub['active'] / 1e9:g} B active ({pub['active_gap']:+.1%})"
+        size += f" [{pub['cite']}]"
+    lines = [f"{m['name']} ({size})" + (f"\n  {pub['note']}" if pub and pub["note"] else ""),
              f"on {cl['gpus']} x {cl['gpu'].upper()} ({cl['name']}), {cl['memory'] / GB:.0f} GB each"
              + ("" if cl["ceiling_fitted"] else "; matmul ceiling borrowed from the H100, not fitted"),
              f"batch {b['global_batch']} sequences of {b['seq']} tokens, micro-batch {b['micro_batch']}"]

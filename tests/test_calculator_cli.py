@@ -204,3 +204,11 @@ def test_the_module_runs_without_torch_and_exits_2_without_a_traceback(tmp_path)
     bad = subprocess.run([sys.executable, "-m", "helpers.calculator", "--model", "llama3-70b", "--gpus", "64",
                           "--tp", "3"], capture_output=True, text=True, env=env, cwd=ROOT)
     assert bad.returncode == 2 and "Traceback" not in bad.stderr and bad.stderr.count("\n") == 1
+
+
+def test_the_published_size_is_shown_beside_the_count_with_the_gap(capsys):
+    r = calc("--model", "llama3-70b", "--gpus", "64", "--tp", "8", "--pp", "4")["model"]
+    assert r["published"]["gap"] == pytest.approx(70_553_706_496 / 70e9 - 1, rel=1e-12)  # the exact count
+    assert main(["--model", "deepseek-v3-like", "--gpus", "256", "--ep", "32", "--pp", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "published 671 B (-0.4%), 37 B active (-5.2%)" in out and "shared expert left out" in out

@@ -68,6 +68,9 @@
     const m = r.model;
     out.append(el("p", {}, `${m.name}: ${(m.params / 1e9).toFixed(2)} B parameters` +
       (m.experts ? `, ${(m.active_params / 1e9).toFixed(2)} B active` : "") +
+      (m.published ? ` (published: ${m.published.total / 1e9} B, the count ${(100 * m.published.gap).toFixed(1)} %` +
+        (m.experts ? `; ${m.published.active / 1e9} B active, ${(100 * m.published.active_gap).toFixed(1)} %` : "") +
+        (m.published.note ? `; ${m.published.note}` : "") + ")" : "") +
       `, on ${r.cluster.gpus} × ${r.cluster.gpu.toUpperCase()}; ${r.micro_batches} micro-batches per step.`));
     const mem = el("div", {class: "calc-block", id: "calc-memory"}, el("h3", {}, "Memory per GPU (busiest stage)"));
     for (const [k, v] of Object.entries(r.memory)) {
