@@ -212,3 +212,20 @@ def test_the_published_size_is_shown_beside_the_count_with_the_gap(capsys):
     assert main(["--model", "deepseek-v3-like", "--gpus", "256", "--ep", "32", "--pp", "8"]) == 0
     out = capsys.readouterr().out
     assert "published 671 B (-0.4%), 37 B active (-5.2%)" in out and "shared expert left out" in out
+
+
+def test_the_page_gets_every_module_the_calculator_runs_and_every_chapter_it_links():
+    """What helpers/tools/calculator_site.py ships to the browser: the modules a budget and a search load
+    (matmul_rate and layout_search only when first used; listed in a Python where torch cannot be imported, so
+    one that needs torch fails the listing), and a page for each chapter a number links to."""
+    from helpers.calculator_presets import CHAPTERS
+    from helpers.tools import calculator_site
+
+    shipped = calculator_site.calculator_sources()
+    for path in ("helpers/calculator.py", "helpers/calculator_presets.py", "helpers/matmul_rate.py",
+                 "helpers/time_model.py", "helpers/parallel/layout_search.py", "helpers/layout_rules.py"):
+        assert path in shipped, path
+    pages = calculator_site.chapter_pages()  # notebooks/NN_name.html, from notebooks/NN_name.md
+    for nn in set(CHAPTERS.values()):
+        assert os.path.exists(os.path.join(ROOT, pages[nn][:-len(".html")] + ".md")), nn
+    assert set(calculator_site.choices()["--model"]) == set(PRESETS)
