@@ -76,7 +76,10 @@ def parser() -> argparse.ArgumentParser:
     layout.add_argument("--recompute", choices=("none", "selective", "full"), default="none")
     layout.add_argument("--precision", choices=list(PRECISIONS), default="bf16")
     out = p.add_argument_group("what to print")
-    out.add_argument("--search", action="store_true", help="rank every layout that fits, print the best")
+    out.add_argument("--search", action="store_true",
+                     help="rank every layout that fits and print the fastest: the search chooses the "
+                          "degrees, vpp, SP, ZeRO, micro-batch and recomputation; model, GPUs, batch and "
+                          "precision are as given")
     out.add_argument("--top", type=_whole(1), default=5, help="layouts --search prints")
     out.add_argument("--json", action="store_true", help="the same numbers as JSON")
     return p
