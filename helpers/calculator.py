@@ -160,9 +160,12 @@ def evaluate(c: dict) -> dict:
             traffic["dp (experts)"]["exposed_seconds"] = t.exposed_s["dp"]
     step = {"compute": t.compute_s, "bubble": t.bubble_s,
             **{f"{k} traffic (exposed)": v for k, v in t.exposed_s.items()}}
+    step_chapters = {"compute": CHAPTERS["compute"], "bubble": CHAPTERS["bubble"],
+                     **{f"{k} traffic (exposed)": CHAPTERS[k] for k in t.exposed_s}}
     return {"memory": memory, "memory_total": total, "gpu_memory": gpu.memory, "fits": total <= gpu.memory,
-            "micro_batches": b.micro_batches, "traffic": traffic, "step": step, "step_seconds": t.step_s,
-            "mfu": t.mfu, "matmul_efficiency": t.matmul_efficiency}
+            "micro_batches": b.micro_batches, "traffic": traffic, "step": step,
+            "step_chapters": step_chapters, "step_seconds": t.step_s, "mfu": t.mfu,
+            "matmul_efficiency": t.matmul_efficiency}
 
 
 def _layout_json(L: Layout, c: dict) -> dict:

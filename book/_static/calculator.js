@@ -89,8 +89,7 @@
     }
     const st = el("div", {class: "calc-block", id: "calc-step"}, el("h3", {}, "Step time"));
     for (const [k, v] of Object.entries(r.step)) {
-      const nn = k === "compute" ? "01" : k === "bubble" ? "06" : (r.traffic[k.split(" ")[0]] || {}).chapter;
-      st.append(row(k, sec(v), v / r.step_seconds, k, v, nn ? chapter(nn) : ""));
+      st.append(row(k, sec(v), v / r.step_seconds, k, v, chapter(r.step_chapters[k])));
     }
     st.append(row("step", sec(r.step_seconds), 1, "step", r.step_seconds, ""));
     st.append(row("MFU", (100 * r.mfu).toFixed(1) + " %", r.mfu, "mfu", r.mfu, chapter("01")));
@@ -134,12 +133,14 @@
     const sources = window.calculatorSources;
     $("calc-status").textContent = `Loading Python (Pyodide ${sources.version}) in this page…`;
     const pyodide = await loadPyodide({indexURL: root + "_static/calculator/"});
+    performance.mark("calculator: Pyodide started");
     for (const [path, text] of Object.entries(sources.sources)) {
       pyodide.FS.mkdirTree("/calculator/" + path.slice(0, path.lastIndexOf("/")));
       pyodide.FS.writeFile("/calculator/" + path, text);
     }
     pyodide.runPython("import sys; sys.path.insert(0, '/calculator')");
     calculator = pyodide.pyimport("helpers.calculator");
+    performance.mark("calculator: modules imported");
     $("calc-compute").disabled = $("calc-search-button").disabled = false;
     $("calc-form").addEventListener("submit", (e) => { e.preventDefault(); later("Computing…", () => compute()); });
     $("calc-search-button").addEventListener("click", () => later("Searching every layout…",
