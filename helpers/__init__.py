@@ -35,7 +35,8 @@ CHAPTERS = {
     "10": ("helpers.parallel.mesh", "helpers.parallel.composition", "helpers.parallel.layout_search"),
     "11": ("helpers.training.weight_sync", "helpers.training.rl_timing"),
     "12": ("helpers.training.optimizers", "helpers.training.distributed_muon"),
-    "13": ("helpers.training.stability", "helpers.training.sharded_clipping"),
+    "13": ("helpers.training.stability", "helpers.training.stability_run",
+           "helpers.training.sharded_clipping", "helpers.training.mup"),
     "14": ("helpers.training.rl_objectives", "helpers.training.grpo"),
     "15": ("helpers.training.capstone",),
 }
