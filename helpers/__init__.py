@@ -25,8 +25,8 @@ CHAPTERS = {
            "helpers.parallel.comms"),
     "03": ("helpers.parallel.data_parallel",),
     "04": ("helpers.parallel.zero",),
-    "05": ("helpers.parallel.tensor_parallel_comms", "helpers.parallel.tensor_parallel",
-           "helpers.parallel.tensor_parallel_torch"),
+    "05": ("helpers.parallel.tensor_parallel_comms", "helpers.parallel.tensor_parallel_layers",
+           "helpers.parallel.tensor_parallel", "helpers.parallel.tensor_parallel_torch"),
     "06": ("helpers.parallel.pipeline_schedules", "helpers.parallel.pipeline_parallel",
            "helpers.parallel.pipeline_timeline"),
     "07": ("helpers.parallel.blockwise_attention", "helpers.parallel.context_parallel"),
@@ -37,7 +37,8 @@ CHAPTERS = {
     "10": ("helpers.parallel.mesh", "helpers.parallel.composition", "helpers.parallel.layout_search"),
     "11": ("helpers.training.weight_sync", "helpers.training.rl_timing"),
     "12": ("helpers.training.optimizers", "helpers.training.distributed_muon"),
-    "13": ("helpers.training.stability", "helpers.training.sharded_clipping"),
+    "13": ("helpers.training.stability", "helpers.training.stability_run",
+           "helpers.training.sharded_clipping", "helpers.training.mup"),
     "14": ("helpers.training.rl_objectives", "helpers.training.grpo"),
     "15": ("helpers.training.capstone",),
 }
@@ -45,4 +46,4 @@ CHAPTERS = {
 # what every chapter uses and none teaches: ranks, checks, what a page shows, the reference model and data
 HARNESS = ("helpers.ranks", "helpers.forkserver", "helpers.dist", "helpers.checks", "helpers.errors",
            "helpers.exercises", "helpers.show", "helpers.measure", "helpers.model", "helpers.data",
-           "helpers.reference")
+           "helpers.reference", "helpers.janitor")

@@ -29,7 +29,7 @@ import signal
 import threading
 
 from helpers import ROOT
-from helpers.tools.janitor import alive
+from helpers.janitor import alive
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 _FRAME = re.compile(r"File \"?([^\s\",]+)\"?(?:, line |:)(\d+)(?:,)? in ([\w.<>]+)")

@@ -23,8 +23,9 @@ The model has seams, so that each parallelism is a transformation of this one mo
 - the attention *core* (``Attention.core``, causal SDPA by default) takes ``q, k, v`` as (batch, heads, time,
   head_dim) and can be replaced (ring attention, Ulysses); head counts are read from the projections' outputs,
   so a layer holding some of the heads runs the same forward;
-- ``Attention.project`` and ``MLP.project`` are the input projections, which tensor parallelism fuses into one
-  column-parallel layer;
+- ``Attention.project`` and ``MLP.project`` are the input projections; tensor parallelism swaps the layers
+  they call for one column-parallel layer that returns them all (``qkv_proj``, ``gate_up_proj``), and the
+  module, its constructor's attributes and its forward stay the reference's;
 - positions and the loss are inputs of :meth:`GPT.forward` (a context-parallel rank passes its positions,
   tensor parallelism sets a vocabulary-parallel ``loss_fn``);
 - the blocks are named by their index in the whole model (:class:`Blocks`), so a pipeline stage that keeps
@@ -118,9 +119,12 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(d_model, n_kv_heads * head_dim, bias=False)
         self.v_proj = nn.Linear(d_model, n_kv_heads * head_dim, bias=False)
         self.o_proj = nn.Linear(n_heads * head_dim, d_model, bias=False)
+        self.qkv_proj = None  # one layer giving Q, K and V, when a parallelism swaps it in for the three
         self.core = causal_attention
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if self.qkv_proj is not None:
+            return self.qkv_proj(x)
         return self.q_proj(x), self.k_proj(x), self.v_proj(x)
 
     def forward(self, x: torch.Tensor, rope=None) -> torch.Tensor:
@@ -145,9 +149,12 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(d_model, d_ff, bias=False)
         self.gate_proj = nn.Linear(d_model, d_ff, bias=False) if gated else None
         self.down_proj = nn.Linear(d_ff, d_model, bias=False)
+        self.gate_up_proj = None  # one layer giving gate and up, when a parallelism swaps it in for the two
 
     def project(self, x: torch.Tensor):
         """The hidden layer's inputs: ``(gate, up)`` if gated, else ``up``."""
+        if self.gate_up_proj is not None:
+            return self.gate_up_proj(x)
         return (self.gate_proj(x), self.up_proj(x)) if self.gated else self.up_proj(x)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

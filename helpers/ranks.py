@@ -10,7 +10,7 @@ Three things make sure no engine outlives the notebook:
 - the collective timeout (see :mod:`helpers.dist`) is shorter than a cell's timeout, so a rank stuck in a
   collective raises instead of hanging the cell;
 - ``ranks.stop()`` runs when the kernel exits (atexit), and when ``start_ranks`` is called again;
-- a small janitor process (:mod:`helpers.tools.janitor`) kills the engines and the controller if the kernel
+- a small janitor process (:mod:`helpers.janitor`) kills the engines and the controller if the kernel
   dies without running atexit (killed, or restarted from JupyterLab).
 
 Two things go wrong while a cell runs, and each ends the cell within seconds:
@@ -322,7 +322,7 @@ def start_ranks(world_size: int = 4, *, timeout_s: float | None = None, activate
                                                 os.path.join(run_dir, f"engine-{i}.log")))
         controller_pid = cluster.controller.process.pid
         janitor = subprocess.Popen(
-            [sys.executable, "-m", "helpers.tools.janitor", "--remove", run_dir, str(os.getpid()),
+            [sys.executable, "-m", "helpers.janitor", "--remove", run_dir, str(os.getpid()),
              str(controller_pid), *map(str, engine_pids), *([str(server.process.pid)] if server else [])],
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
             start_new_session=True,

@@ -51,7 +51,8 @@ def _collectives():
     sent.wait()
     ring = comms.send_recv(torch.full((2,), float(rank)), peer, peer, label="ring", async_op=True)
     out["ring"] = ring.wait()
-    out["counted"] = [(m.collective, m.direction, m.peer, m.nbytes) for m in LEDGER.messages if m.counted]
+    out["counted"] = [(m.collective, m.phase, m.direction, m.peer, m.nbytes, m.group_ranks)
+                      for m in LEDGER.messages if m.counted]
     LEDGER.clear()
     return out
 
@@ -75,7 +76,7 @@ def test_each_collective_gives_the_exact_result_and_one_booking(ranks):
         fp8_want = torch.cat([results[r]["fp8_want"] for r in range(2)])
         assert torch.equal(got["fp8"], fp8_want)
         assert torch.equal(got["fp8_native"], fp8_want)
-        assert "cannot be reduced on the wire" in got["fp8_reduce"]
+        assert "is not reduced on the wire" in got["fp8_reduce"]
         names = [b[0] for b in got["booked"]]
         assert names == ["all_reduce", "all_reduce", "all_reduce", "all_gather", "reduce_scatter",
                          "reduce_scatter", "uneven", "all_reduce", "all_gather"]
@@ -85,8 +86,10 @@ def test_each_collective_gives_the_exact_result_and_one_booking(ranks):
         assert all(b[3] == (0, 1) for b in got["booked"])
         assert torch.equal(got["p2p"], torch.full((5,), float(1 - rank)))
         assert torch.equal(got["ring"], torch.full((2,), float(1 - rank)))
-        assert got["counted"] == [("pp", "send", 1 - rank, 20), ("pp", "recv", 1 - rank, 20),
-                                  ("ring", "send", 1 - rank, 8), ("ring", "recv", 1 - rank, 8)]
+        assert got["counted"] == [("pp", "activations", "send", 1 - rank, 20, (0, 1)),
+                                  ("pp", "activations", "recv", 1 - rank, 20, (0, 1)),
+                                  ("ring", "p2p", "send", 1 - rank, 8, (0, 1)),
+                                  ("ring", "p2p", "recv", 1 - rank, 8, (0, 1))]
 
 
 @ipp.interactive

@@ -35,7 +35,7 @@ def book_processes() -> list[str]:
     for proc in psutil.process_iter(["pid", "cmdline", "status"]):
         cmd = " ".join(proc.info["cmdline"] or [])
         # an engine forked by a fork server shows the server's command line
-        ours = ("ipyparallel.engine", "ipyparallel.controller", "helpers.tools.janitor",
+        ours = ("ipyparallel.engine", "ipyparallel.controller", "helpers.janitor",
                 "torch.distributed.run", "helpers.forkserver")
         if proc.info["status"] == psutil.STATUS_ZOMBIE or not any(key in cmd for key in ours) \
                 or proc.info["pid"] == shared_server:

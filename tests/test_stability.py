@@ -23,7 +23,7 @@ from conftest import assert_close_to_scale, seeded_batch, small_config
 from helpers.model import GPT, Attention, causal_attention
 from helpers.parallel import tensor_parallel
 from helpers.reference import named_grads
-from helpers.training import sharded_clipping, stability
+from helpers.training import sharded_clipping, stability, stability_run
 
 
 def test_z_loss_by_hand():
@@ -147,19 +147,19 @@ def test_skip_rule_is_olmo_cores():
     mean63 = sum(history[:n]) / n
     up = mean63 + 6.5 * std63
     flat = [1.0] * 200
-    assert stability.is_outlier(history[:n] + [up], flat[:n + 1], 6.0)      # 64 values: judged, skipped
-    assert not stability.is_outlier(history[:n - 1] + [up], flat[:n], 6.0)  # 63 values: not judged yet
+    assert stability_run.is_outlier(history[:n] + [up], flat[:n + 1], 6.0)      # 64 values: judged, skipped
+    assert not stability_run.is_outlier(history[:n - 1] + [up], flat[:n], 6.0)  # 63 values: not judged yet
     down = mean63 - 6.5 * std63
-    assert not stability.is_outlier(history[:n] + [down], flat[:n + 1], 6.0)  # a fall is never skipped
-    assert not stability.is_outlier(history[:n] + [mean63 + 5.5 * std63], flat[:n + 1], 6.0)
+    assert not stability_run.is_outlier(history[:n] + [down], flat[:n + 1], 6.0)  # a fall is never skipped
+    assert not stability_run.is_outlier(history[:n] + [mean63 + 5.5 * std63], flat[:n + 1], 6.0)
     # the gradient norm alone can skip; a history without spread makes any rise an outlier
-    assert stability.is_outlier(history[:n] + [2.0], flat[:n] + [1.0 + 1e-9], 6.0)
+    assert stability_run.is_outlier(history[:n] + [2.0], flat[:n] + [1.0 + 1e-9], 6.0)
     # a short window: judged from max(2, 8 // 2) = 4 values (before 2025-01-21 OLMo-core waited for 20)
-    assert stability.is_outlier([1.0, 3.0, 1.0, 100.0], [1.0] * 4, 6.0, window=8)
-    assert not stability.is_outlier([1.0, 3.0, 100.0], [1.0] * 3, 6.0, window=8)
+    assert stability_run.is_outlier([1.0, 3.0, 1.0, 100.0], [1.0] * 4, 6.0, window=8)
+    assert not stability_run.is_outlier([1.0, 3.0, 100.0], [1.0] * 3, 6.0, window=8)
     # the window: only the 128 values before the last count (a huge early value is forgotten)
     long = [1e6] + history * 2
-    assert stability.is_outlier(long[:130] + [up], flat[:131], 6.0) == stability.is_outlier(
+    assert stability_run.is_outlier(long[:130] + [up], flat[:131], 6.0) == stability_run.is_outlier(
         long[1:130] + [up], flat[:130], 6.0)
 
 

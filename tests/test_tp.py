@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from conftest import assert_close_to_scale, seeded_batch, small_config
-from helpers.model import GPT, GPTConfig
+from helpers.model import GPT, MLP, Attention, GPTConfig
 from helpers.parallel import moe, tensor_parallel
 from helpers.reference import named_grads, named_params
 
@@ -77,9 +77,8 @@ def test_a_block_it_cannot_split_is_refused_before_anything_changes(stand_in):
     with pytest.raises(ValueError, match=r"blocks\.1\.mlp is a \w+, not helpers\.model\.MLP"):
         tensor_parallel.parallelize(model, StandInGroup(0, 2))
     assert sorted(named_params(model)) == sorted(before)
-    assert type(model.blocks[0].attn) is not tensor_parallel.ParallelAttention
     twice = tensor_parallel.parallelize(GPT(CFG, seed=0), StandInGroup(0, 2))
-    with pytest.raises(ValueError, match=r"blocks\.0\.attn is a ParallelAttention, not .*Attention"):
+    with pytest.raises(ValueError, match=r"blocks\.0\.attn is tensor-parallel already"):
         tensor_parallel.parallelize(twice, StandInGroup(0, 2))
 
 
@@ -285,3 +284,16 @@ def test_rank_and_size_come_from_the_group(ranks):
     for got_logits, got_loss in ranks.apply(_each_rank_alone, CFG, x, y):
         torch.testing.assert_close(got_logits, logits.detach(), rtol=0, atol=1e-6)
         assert got_loss == pytest.approx(loss.item(), rel=1e-6)
+
+
+def test_parallelize_keeps_the_reference_modules_and_swaps_only_their_projections(stand_in):
+    model = GPT(LLAMA, seed=0)
+    attn, mlp = model.blocks[0].attn, model.blocks[0].mlp
+    attn.core, attn.mark = tensor_parallel.parallelize, "set by the constructor or after"  # any attribute
+    tensor_parallel.parallelize(model, StandInGroup(1, 2))
+    assert model.blocks[0].attn is attn and type(attn) is Attention and type(mlp) is MLP
+    assert attn.core is tensor_parallel.parallelize and attn.mark.startswith("set by")
+    assert (attn.head_dim, attn.rope_theta) == (LLAMA.head_dim, LLAMA.rope_theta)
+    assert [n for n, _ in attn.named_children()] == ["qkv_proj", "o_proj"]
+    assert [n for n, _ in mlp.named_children()] == ["gate_up_proj", "down_proj"]
+    assert sorted(n for n, _ in model.named_parameters()) == sorted(tensor_parallel.shard_plan(LLAMA, 2))

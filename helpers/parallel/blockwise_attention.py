@@ -14,19 +14,20 @@ the whole sequence's scores. This module is that arithmetic, on one process and 
 - :func:`ring_step` and :func:`ring_step_backward`: one step of the ring on the K/V block a rank holds, part
   by part, with GQA's KV heads repeated for their query heads (:func:`expand_kv`, :func:`fold_kv`).
 
-The ring's messages, the layouts and Ulysses are in :mod:`helpers.parallel.context_parallel`. Tensors are
+:class:`CPLayout` says which positions each rank holds (contiguous or zig-zag); it lives here, below the ring
+that uses it, so that this module imports nothing of :mod:`helpers.parallel.context_parallel`, which has the
+ring's messages and Ulysses. Tensors are
 (batch, heads, positions, head_dim), as ``F.scaled_dot_product_attention`` takes them; ``q_pos`` and
 ``k_pos`` are the global positions of the queries and keys, which the causal mask compares.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
 import torch
 
-if TYPE_CHECKING:
-    from helpers.parallel.context_parallel import CPLayout
+from helpers import layout_rules
 
 
 def _scores(q, k, q_pos, k_pos, causal):
@@ -71,6 +72,35 @@ def block_attention_backward(dout, delta, q, k, v, lse, q_pos, k_pos, causal: bo
     dv = p.transpose(-2, -1) @ dout
     ds = p * (dout @ v.transpose(-2, -1) - delta.unsqueeze(-1))
     return ds @ k * scale, ds.transpose(-2, -1) @ q * scale, dv
+
+
+@dataclass(frozen=True)
+class CPLayout:
+    """How a sequence of ``seq_len`` tokens is split over ``cp`` ranks.
+
+    ``"contiguous"``: rank ``r`` holds positions ``r·s/cp … (r+1)·s/cp``. ``"zigzag"``: the sequence is cut
+    into ``2·cp`` chunks and rank ``r`` holds chunks ``r`` and ``2·cp-1-r``, one early and one late, so that
+    under a causal mask every rank scores the same number of pairs (the load-balanced layout of Megatron-LM's
+    context parallelism and of Llama 3's training).
+    """
+
+    seq_len: int
+    cp: int
+    kind: str = "contiguous"
+
+    def __post_init__(self):
+        if self.kind not in ("contiguous", "zigzag"):
+            raise ValueError(f"the layout must be 'contiguous' or 'zigzag', got {self.kind!r}")
+        layout_rules.context_parallel(self.cp, self.seq_len, zigzag=self.kind == "zigzag")
+
+    def positions(self, rank: int) -> torch.Tensor:
+        """The global positions rank ``rank`` holds, in the order it holds them."""
+        if self.kind == "contiguous":
+            c = self.seq_len // self.cp
+            return torch.arange(rank * c, (rank + 1) * c)
+        c = self.seq_len // (2 * self.cp)
+        late = 2 * self.cp - 1 - rank
+        return torch.cat([torch.arange(rank * c, (rank + 1) * c), torch.arange(late * c, (late + 1) * c)])
 
 
 def score_blocks(layout: CPLayout, rank: int, owner: int, causal: bool):
@@ -132,5 +162,5 @@ def ring_step_backward(dout, delta, q, kv, lse, dq, layout: CPLayout, rank: int,
     return dkv
 
 
-__all__ = ["block_attention", "merge", "block_attention_backward", "score_blocks", "expand_kv", "fold_kv",
-           "ring_step", "ring_step_backward"]
+__all__ = ["CPLayout", "block_attention", "merge", "block_attention_backward", "score_blocks", "expand_kv",
+           "fold_kv", "ring_step", "ring_step_backward"]

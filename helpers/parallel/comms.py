@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from helpers.dist import collective_timeout
-from helpers.parallel.ledger import LEDGER, Message, _described, _global, _group_ranks, _nbytes
+from helpers.parallel.ledger import LEDGER
 
 _FP8 = tuple(getattr(torch, name) for name in ("float8_e4m3fn", "float8_e5m2", "float8_e8m0fnu")
              if hasattr(torch, name))
@@ -176,9 +176,13 @@ def all_to_all(x: torch.Tensor, group=None, *, send_splits: list[int] | None = N
 # ---------------------------------------------------------------------------------------------------------
 
 
+def _global(rank: int, group) -> int:
+    """The global rank of rank ``rank`` of ``group``: what ``isend`` and ``irecv`` are given."""
+    return rank if group is None else dist.get_global_rank(group, rank)
+
+
 def _count(t: torch.Tensor, direction: str, peer: int, group, label: str, phase: str, step: int) -> None:
-    LEDGER.messages.append(Message(label, phase, step, direction, peer, _nbytes(t), **_described(t),
-                                   group_ranks=_group_ranks(group)))
+    LEDGER.count(t, direction, peer, group, collective=label, phase=phase, step=step)
 
 
 def send(x: torch.Tensor, dst: int, group=None, *, tag: int = 0, label: str = "p2p", phase: str = "p2p",

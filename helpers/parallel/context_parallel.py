@@ -33,7 +33,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import time
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -41,43 +40,14 @@ import torch.nn.functional as F
 
 from helpers import layout_rules
 from helpers.parallel import comms
-from helpers.parallel.blockwise_attention import expand_kv, ring_step, ring_step_backward
+from helpers.parallel.blockwise_attention import CPLayout, expand_kv, ring_step, ring_step_backward
 
 HEAD_DIM, SEQ_DIM = 1, 2  # q, k, v are (batch, heads, sequence, head_dim), as F.scaled_dot_product_attention
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Which positions each rank holds
+# Which positions each rank holds: CPLayout (in blockwise_attention, whose ring step reads it)
 # ---------------------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class CPLayout:
-    """How a sequence of ``seq_len`` tokens is split over ``cp`` ranks.
-
-    ``"contiguous"``: rank ``r`` holds positions ``r·s/cp … (r+1)·s/cp``. ``"zigzag"``: the sequence is cut
-    into ``2·cp`` chunks and rank ``r`` holds chunks ``r`` and ``2·cp-1-r``, one early and one late, so that
-    under a causal mask every rank scores the same number of pairs (the load-balanced layout of Megatron-LM's
-    context parallelism and of Llama 3's training).
-    """
-
-    seq_len: int
-    cp: int
-    kind: str = "contiguous"
-
-    def __post_init__(self):
-        if self.kind not in ("contiguous", "zigzag"):
-            raise ValueError(f"the layout must be 'contiguous' or 'zigzag', got {self.kind!r}")
-        layout_rules.context_parallel(self.cp, self.seq_len, zigzag=self.kind == "zigzag")
-
-    def positions(self, rank: int) -> torch.Tensor:
-        """The global positions rank ``rank`` holds, in the order it holds them."""
-        if self.kind == "contiguous":
-            c = self.seq_len // self.cp
-            return torch.arange(rank * c, (rank + 1) * c)
-        c = self.seq_len // (2 * self.cp)
-        late = 2 * self.cp - 1 - rank
-        return torch.cat([torch.arange(rank * c, (rank + 1) * c), torch.arange(late * c, (late + 1) * c)])
 
 
 def causal_pairs(layout: CPLayout, rank: int) -> int:

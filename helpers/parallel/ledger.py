@@ -6,14 +6,15 @@ per receive into the process's ledger, :data:`LEDGER`. The bytes a rank sent and
 *counted* by the code that moved them, and :func:`helpers.parallel.collective_costs.expected_bytes` gives
 what the algorithm's formula says they should be, exactly, uneven chunks included.
 
-A chapter that calls ``torch.distributed``'s own collectives, whose messages nobody here can see, *books*
-each call with :meth:`Ledger.record`. A booking proves what the call was given: the collective's name, the
-group (its size and global ranks), and the buffer (its number of elements, dtype and element size), all taken
-from the objects passed. Its bytes are the formula's for that collective (marked ``counted=False``): they say
-what a ring or tree would move, never what gloo or NCCL moved, so a booking's bytes must never be checked
-against the formula that produced them. :meth:`Ledger.booked` lists the bookings; ``totals(...,
-counted=True)`` adds up counted messages only. What each collective costs in time is
-:mod:`helpers.parallel.collective_costs`.
+A chapter that calls ``torch.distributed``'s own collectives, whose messages nobody here can see, *books* each
+call with :meth:`Ledger.record`. A booking proves what the call was given: the collective's name, the group
+(its size and global ranks), and the buffer (its number of elements, dtype and element size), all taken from
+the objects passed. Its bytes are the formula's for that collective (marked ``counted=False``): they say what
+a ring or tree would move, never what gloo or NCCL moved, so a booking's bytes must never be checked against
+the formula that produced them. :meth:`Ledger.booked` lists the bookings; ``totals(..., counted=True)`` adds
+up counted messages only. Code that moves a message itself, outside :meth:`exchange` (the tagged sends and
+receives of :mod:`helpers.parallel.comms`), counts it with :meth:`Ledger.count`. What each collective costs in
+time is :mod:`helpers.parallel.collective_costs`.
 
     from helpers.parallel.ledger import LEDGER
     LEDGER.record("all_reduce", grads)                 # book a torch collective a chapter called
@@ -92,13 +93,10 @@ class Ledger:
         phase = self._stack[-1] if self._stack else "p2p"
         step = self._step
         self._step += 1
-        ranks = _group_ranks(group)
         if send is not None:
-            self.messages.append(Message(name, phase, step, "send", dst, _nbytes(send), send_chunk,
-                                         **_described(send), group_ranks=ranks))
+            self.count(send, "send", dst, group, collective=name, phase=phase, step=step, chunk=send_chunk)
         if recv is not None:
-            self.messages.append(Message(name, phase, step, "recv", src, _nbytes(recv), recv_chunk,
-                                         **_described(recv), group_ranks=ranks))
+            self.count(recv, "recv", src, group, collective=name, phase=phase, step=step, chunk=recv_chunk)
         try:
             for work in dist.batch_isend_irecv(ops):
                 work.wait()
@@ -106,6 +104,17 @@ class Ledger:
             rank = dist.get_rank(group)
             raise RuntimeError(f"rank {rank}, {phase} step {step}: the exchange (send to {dst}, receive "
                                f"from {src}) did not complete: {err}") from None
+
+    def count(self, tensor, direction: str, peer: int, group=None, *, collective: str = "p2p",
+              phase: str | None = None, step: int = 0, chunk: int | None = None) -> None:
+        """Count one message: ``tensor``, sent to (``direction="send"``) or received from (``"recv"``) rank
+        ``peer`` of ``group``, its bytes those of the tensor that moves. ``phase`` defaults to ``collective``.
+        """
+        if direction not in ("send", "recv"):
+            raise ValueError(f"direction={direction!r} is not 'send' or 'recv'")
+        phase = collective if phase is None else phase
+        self.messages.append(Message(collective, phase, step, direction, peer, _nbytes(tensor), chunk,
+                                     **_described(tensor), group_ranks=_group_ranks(group)))
 
     def record(self, collective: str, tensor, group=None, *, root: int = 0) -> None:
         """Book a ``torch.distributed`` collective called on ``tensor`` (its full buffer) over ``group``.

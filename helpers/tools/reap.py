@@ -22,7 +22,7 @@ import sys
 import tempfile
 import time
 
-from helpers.tools.janitor import children
+from helpers.janitor import children
 
 PR_SET_CHILD_SUBREAPER = 36
 

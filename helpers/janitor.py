@@ -1,9 +1,12 @@
 """Kill a notebook's engines and controller when the notebook's kernel dies.
 
-``python -m helpers.tools.janitor [--remove DIR] KERNEL_PID PID...`` polls twice a second. If the kernel is
+``python -m helpers.janitor [--remove DIR] KERNEL_PID PID...`` polls twice a second. If the kernel is
 gone (killed, or restarted from JupyterLab, so its atexit handlers never ran) it kills the other PIDs and
 their children, removes ``DIR`` (the ranks' rendezvous folder, which the kernel would have removed) and exits;
 if the other PIDs are all gone first (the kernel stopped them), it just exits.
+
+:func:`helpers.ranks.start_ranks` starts it beside the engines, from a notebook's kernel: it is harness, not a
+``make`` tool. The reaper (:mod:`helpers.tools.reap`) uses its :func:`children`.
 """
 
 import os
