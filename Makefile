@@ -9,7 +9,8 @@
 #   make torchrun CH=00 NPROC=4   run a chapter's %%px cells as a script under torchrun
 #   make bench         the from-scratch code against PyTorch's, side by side, as ratios (CH=NN: one chapter's rows)
 #   make lab           JupyterLab on the notebooks, with jupytext pairing
-#   make sync          write each notebook's .ipynb pair from its .md (and back, whichever is newer)
+#   make sync          write each notebook's .ipynb pair from its .md (and back, whichever is newer), refusing
+#                      a pair whose .md has an edit its newer .ipynb never saw
 #   make clean         remove _build and the .ipynb pairs
 #
 # BOOK_BACKEND=nccl switches every chapter to nccl/cuda (one rank per GPU); the default is gloo/cpu.
@@ -71,12 +72,16 @@ chapter: $(STAMP)
 torchrun: $(STAMP)
 	$(REAP) $(PY) -m helpers.tools.px_script $(CH) --nproc $(NPROC)
 
-# Only CH given on the command line picks one chapter's rows; without it, every row.
+# Only CH given on the command line picks one chapter's rows; without it, every row. A CH that is no chapter
+# is refused in one line first (run_chapter --check), as make chapter and make torchrun refuse it.
 bench: $(STAMP)
+	$(if $(filter command line,$(origin CH)),@$(PY) -m helpers.tools.run_chapter --check '$(CH)')
 	$(REAP) $(PY) -m helpers.tools.bench $(if $(filter command line,$(origin CH)),--chapter $(CH))
 
+# The .md is the source: jupytext's newest-wins rule alone would let a stale .ipynb saved after an edit of the
+# .md (JupyterLab's autosave) overwrite that edit (helpers/tools/sync.py).
 sync: $(STAMP)
-	$(VENV)/bin/jupytext --sync notebooks/[0-9][0-9]_*.md
+	$(PY) -m helpers.tools.sync notebooks/[0-9][0-9]_*.md
 
 lab: sync
 	$(VENV)/bin/jupyter lab --ServerApp.ip=127.0.0.1 $(if $(filter 0,$(shell id -u)),--allow-root) notebooks

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import datetime
 import ipaddress
+import math
 import os
 import socket
 
@@ -53,9 +54,13 @@ def device():
 
 def collective_timeout() -> float:
     """Seconds a rank waits inside one collective before it raises."""
-    value = float(os.environ.get("BOOK_COLLECTIVE_TIMEOUT", DEFAULT_TIMEOUT_S))
-    if value <= 0:
-        raise ValueError(f"BOOK_COLLECTIVE_TIMEOUT must be positive, got {value}")
+    text = os.environ.get("BOOK_COLLECTIVE_TIMEOUT", str(DEFAULT_TIMEOUT_S))
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 < value < math.inf:  # nan fails both
+        raise ValueError(f"BOOK_COLLECTIVE_TIMEOUT={text}: expected a positive, finite number of seconds")
     return value
 
 

@@ -10,10 +10,17 @@ chapter 01 can check them against the book's GPT, against published sizes and ag
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 
 
 # --------------------------------------------------------------------------------------------- the inputs
+
+def whole_number(field: str, value, least: int) -> None:
+    """Raise ValueError naming ``field`` unless ``value`` is an integer of at least ``least``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < least:
+        raise ValueError(f"{field} must be a whole number of at least {least}, got {value!r}")
+
 
 @dataclass(frozen=True)
 class ModelShape:
@@ -35,11 +42,19 @@ class ModelShape:
     top_k: int = 0
     n_dense_layers: int = 0        # leading layers that keep a dense MLP in a MoE model
     source: str = ""
+    route_nodes: int = 0           # node-limited routing: a token's experts on at most this many nodes
 
     def __post_init__(self):
         for f in ("n_layers", "d_model", "n_heads", "n_kv_heads", "d_ff", "vocab_size"):
-            if getattr(self, f) < 1:
-                raise ValueError(f"{self.name}: {f} must be positive, got {getattr(self, f)}")
+            whole_number(f"{self.name}: {f}", getattr(self, f), least=1)
+        for f in ("n_experts", "top_k", "n_dense_layers", "learned_positions", "route_nodes"):
+            whole_number(f"{self.name}: {f}", getattr(self, f), least=0)
+        if self.n_dense_layers > self.n_layers:
+            raise ValueError(f"{self.name}: n_dense_layers={self.n_dense_layers} must be at most "
+                             f"n_layers={self.n_layers}")
+        if self.n_dense_layers and not self.n_experts:
+            raise ValueError(f"{self.name}: n_dense_layers={self.n_dense_layers} needs n_experts > 0 (a "
+                             f"dense model has only dense layers)")
         if self.d_model % self.n_heads:
             raise ValueError(f"{self.name}: n_heads={self.n_heads} must divide d_model={self.d_model}")
         if self.n_heads % self.n_kv_heads:
@@ -78,6 +93,10 @@ class Batch:
     seq_len: int
     micro_batch: int
     global_batch: int  # sequences per optimizer step, over all data-parallel ranks
+
+    def __post_init__(self):
+        for f in ("seq_len", "micro_batch", "global_batch"):
+            whole_number(f"Batch: {f}", getattr(self, f), least=1)
 
 
 # --------------------------------------------------------------------------------------------- parameters
@@ -213,7 +232,8 @@ PRESETS = [GPT2_SMALL, LLAMA3_8B, LLAMA3_70B, LLAMA3_405B, MIXTRAL_8X7B]
 # actives must agree to 1%.
 DEEPSEEK_V3_LIKE = ModelShape("DeepSeek-V3-like MoE", n_layers=61, d_model=7168, n_heads=128, n_kv_heads=128,
                               d_ff=2048, vocab_size=129280, n_experts=256, top_k=8, n_dense_layers=3,
-                              source="DeepSeek-AI 2024, section 4.2 (MLA as MHA, no shared expert)")
+                              source="DeepSeek-AI 2024, section 4.2 (MLA as MHA, no shared expert)",
+                              route_nodes=4)  # each token sent to at most 4 nodes (ibid., section 3.2.2)
 
 # The sizes these models are known by (total, active parameters): names round, so they agree with an exact
 # count to about 1%.

@@ -13,6 +13,15 @@ Three things make sure no engine outlives the notebook:
 - a small janitor process (:mod:`helpers.tools.janitor`) kills the engines and the controller if the kernel
   dies without running atexit (killed, or restarted from JupyterLab).
 
+Two things go wrong while a cell runs, and each ends the cell within seconds:
+
+- the stop button: ``%%px`` asks each engine's nanny to signal its engine, and these engines run without one
+  (a process per engine, seconds of every start on two cores). The ranks signal their engines' processes
+  themselves (:meth:`Ranks.interrupt`); ranks still busy after ``INTERRUPT_GRACE_S`` (inside a collective,
+  where Python sees no signal until it returns) are restarted, and the cell says which way it went;
+- a rank that dies (killed, out of memory): a thread watches the engines' processes and fails the cell at
+  once, naming the rank, instead of after the controller's 30 s heartbeat and a collective's timeout.
+
 Nothing else outlives it either: the rendezvous file and the IPython profile the controller and engines write
 into (connection files, logs, the engine-state file) live in one temporary folder per set of ranks, and
 whoever ends the ranks (``stop``, a failed start, or the janitor) removes that folder.
@@ -28,6 +37,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 from helpers import ROOT
@@ -37,6 +47,11 @@ from helpers import forkserver
 
 _current: "Ranks | None" = None
 REGISTRATION_TIMEOUT_S = 60  # how long an engine waits for the controller to register it (see start_ranks)
+INTERRUPT_GRACE_S = 3.0  # how long interrupted ranks get to stop before they are restarted
+
+
+class Interrupted(Exception):
+    """A cell on the ranks stopped by an interrupt (the stop button)."""
 
 
 class Ranks:
@@ -55,6 +70,56 @@ class Ranks:
         self.view.block = True
         self.pids = self.view.apply_sync(os.getpid)
         self._kernel_threads = None  # the kernel's torch threads before these ranks took the cores
+        self.timeout_s = book_dist.collective_timeout()  # start_ranks sets the one it used
+        self.dead: dict[int, int] = {}  # rank -> pid of an engine that died
+        # ipyparallel asks a nanny to signal an engine (%%px on an interrupt); these engines have none
+        client.send_signal = self.interrupt
+        self._watching = threading.Event()
+        threading.Thread(target=book_errors.watch_engines, args=(self._watching, client, list(self.pids),
+                                                                 self.dead), daemon=True).start()
+
+    def _busy(self) -> list[int]:
+        """The ranks with a task running (or queued)."""
+        uuids = {uuid: rank for rank, uuid in self.client._engines.items()}
+        return sorted(rank for uuid, tasks in list(self.client._outstanding_dict.items())
+                      if (rank := uuids.get(uuid)) is not None and tasks)
+
+    def interrupt(self, sig="SIGINT", targets=None, block=None) -> None:
+        """Send ``sig`` to the ranks' engines and wait ``INTERRUPT_GRACE_S`` for their cell to stop; restart
+        the ranks if some did not. Raises :class:`Interrupted`, saying which it was (``%%px`` calls this on
+        an interrupt, in place of the client's ``send_signal``)."""
+        sig = getattr(signal, sig) if isinstance(sig, str) else sig
+        ranks = range(self.world_size) if targets is None or targets == "all" else \
+            [targets] if isinstance(targets, int) else list(targets)
+        for rank in ranks:
+            try:
+                os.kill(self.pids[rank], sig)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + INTERRUPT_GRACE_S
+        while (busy := self._busy()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if not busy:
+            raise Interrupted("the ranks stopped the cell; they keep what ran before the interrupt")
+        message = (f"{_ranks_word(busy)} still busy {INTERRUPT_GRACE_S:.0f} s after the interrupt (inside a "
+                   f"collective): the ranks were restarted, empty; run the cells after start_ranks again")
+        for rank in busy:  # the cell's result is complete, for %%px to show what the ranks printed
+            book_errors.fail_tasks(self.client, rank, Interrupted(message))
+        while self._busy() and time.monotonic() < deadline + 5:
+            time.sleep(0.05)
+        self.restart()
+        raise Interrupted(message)
+
+    def restart(self) -> None:
+        """Stop these ranks and start as many again, in place: ``ranks`` and ``%%px`` mean the new ones."""
+        global _current
+        active = _current is self
+        self.stop()
+        fresh = start_ranks(self.world_size, timeout_s=self.timeout_s, activate=active)
+        self.__dict__.update(fresh.__dict__)
+        fresh.cluster = None  # the ranks are self's now: stopping the husk must not stop them
+        self.client.send_signal = self.interrupt
+        _current = self
 
     def share_cores(self, threads: int) -> None:
         """The kernel runs its single-process references beside the ranks: give it ``threads`` torch threads,
@@ -111,6 +176,7 @@ class Ranks:
         if self.cluster is None:
             return
         cluster, self.cluster = self.cluster, None
+        self._watching.set()
         # Kill the engines outright: one may be stuck in a collective, and an engine asked to stop with
         # SIGTERM takes the launcher's full 5 s grace period.
         _kill(self.pids)
@@ -135,6 +201,10 @@ class Ranks:
     def __repr__(self) -> str:
         state = "running" if self.cluster is not None else "stopped"
         return f"<Ranks world_size={self.world_size} backend={self.backend} {state}>"
+
+
+def _ranks_word(ranks: list[int]) -> str:
+    return f"rank {ranks[0]} was" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))} were"
 
 
 def _kill(pids: list[int]) -> None:
@@ -276,6 +346,7 @@ def start_ranks(world_size: int = 4, *, timeout_s: float | None = None, activate
         for result in pending:
             result.get(timeout=max(1.0, deadline - time.monotonic()))
         ranks = Ranks(cluster, client, world_size, run_dir, janitor, server)
+        ranks.timeout_s = timeout_s
         ranks.share_cores(threads)
     finally:
         if ranks is None:
@@ -299,7 +370,19 @@ def start_ranks(world_size: int = 4, *, timeout_s: float | None = None, activate
             # Output grouped by rank, in rank order, once every rank is done: the same page on every build.
             shell.run_line_magic("pxconfig", "--no-stream --progress-after -1")
             book_errors.install(shell)  # a failure shows its message and its rank, not four tracebacks
+            # An interrupt that %%px does not catch (of a %%px --local cell's local run, or of ranks.apply):
+            # the ranks stop too, else the cell would wait for them to end their part by themselves.
+            shell.set_custom_exc((KeyboardInterrupt,), _interrupt_ranks_too)
     return ranks
+
+
+def _interrupt_ranks_too(shell, etype, value, tb, tb_offset=None):
+    shell.showtraceback((etype, value, tb), tb_offset=tb_offset)
+    if _current is not None and _current.cluster is not None and _current._busy():
+        try:
+            _current.interrupt()
+        except Interrupted as e:
+            print(f"Interrupted: {e}", file=sys.stderr)
 
 
 @atexit.register

@@ -7,7 +7,10 @@ mesh, chapter 01's rules, chapter 06's schedule, chapter 12's owners, or the com
 
 On 8 ranks, a few changed runs train for a handful of steps and match one process on the same batches, within
 the chapter's tolerances (fp64: the loss within 1e-12 relative, every parameter within 1e-10 of its tensor's
-largest entry); and with chapter 04's shard offset broken (each rank starts its ZeRO-1 master copy from its
+largest entry), every data-parallel replica equal to the first and the last stage's copy of the tied
+embedding equal to the embedding, bit for bit (chapter 15's kernel checks), and the measured step's actions
+in the order of the run's schedule, taken from chapter 06's module directly; and with chapter 04's shard
+offset broken (each rank starts its ZeRO-1 master copy from its
 neighbour's rows) the capstone's comparison fails by far more than its tolerance: a broken module fails the
 capstone, not only its own chapter.
 """
@@ -98,10 +101,40 @@ def _shard_of_name():
 
 
 TRAINED = {
+    "the chapter's run": dict(),
     "TP 4 x PP 2, GPipe": dict(tp=4, dp=1, schedule="gpipe", m=4),
     "interleaved 1F1B, DDP": dict(schedule="interleaved", vpp=2, n_layers=4, zero=0),
     "Muon, PP 2 x DP 4": dict(optimizer="muon", tp=1, dp=4, sequence_parallel=False),
 }
+
+
+def _schedule_by_hand(run):
+    """The run's schedule from chapter 06's module directly, not through the capstone's table."""
+    from helpers.parallel import pipeline_schedules as ps
+
+    if run.schedule == "interleaved":
+        return ps.interleaved_1f1b(run.pp, run.m, run.vpp)
+    return {"gpipe": ps.gpipe, "1f1b": ps.one_f_one_b}[run.schedule](run.pp, run.m)
+
+
+def _check_every_copy(results, want, run):
+    """What chapter 15's kernel checks of the parameters, beyond the first replica put together: every
+    data-parallel replica within the tolerance of one process and bit for bit the first; the last stage's
+    copy of a tied embedding, put together from its tensor-parallel ranks, bit for bit the embedding."""
+    import torch
+
+    tol = capstone.TOLERANCES[run.precision]["params"]
+    for step, params in want["params"].items():
+        whole, others = capstone.assembled(results, run, step)
+        for i, other in enumerate(others):
+            assert capstone.largest_difference(other, {n: params[n] for n in other}) <= tol, (step, i + 1)
+            assert all(torch.equal(other[n], whole[n]) for n in other), f"replica {i + 1}, step {step}"
+        if run.pp > 1 and run.model_config().tie_embeddings:
+            for dp in range(run.dp):
+                heads = sorted((r for r in results if r["where"]["dp_shard"] == dp
+                                and "lm_head.weight" in r["params"][step]), key=lambda r: r["where"]["tp"])
+                head = torch.cat([r["params"][step]["lm_head.weight"] for r in heads])
+                assert torch.equal(head, whole["tok_emb.weight"]), f"tied head copy, dp {dp}, step {step}"
 
 
 @pytest.mark.parametrize("change", TRAINED.values(), ids=TRAINED.keys())
@@ -113,7 +146,12 @@ def test_a_changed_run_matches_one_process(eight, change):
     tol = capstone.TOLERANCES[run.precision]
     assert max(d / w for d, w in zip(diff["loss"], want["losses"])) <= tol["loss"]
     assert max(diff["params"].values()) <= tol["params"], diff["params"]
-    assert all(r["events"] for r in results), "every pipeline rank recorded its measured step"
+    _check_every_copy(results, want, run)
+    if run.pp > 1:  # the measured step ran the run's schedule, each rank its actions in order
+        s = _schedule_by_hand(run)
+        for r in results:
+            assert [tuple(e[:3]) for e in r["events"]] == [tuple(a) for a in s.actions[r["where"]["pp"]]], \
+                f"rank {r['rank']}: the measured step's actions are not {s.name}'s"
 
 
 def test_a_broken_shard_offset_fails_the_capstone(eight):

@@ -99,13 +99,13 @@ def test_tp_pp_and_cp_on_one_gpt_match_one_process(eight, attention, kind, seque
 
 
 @ipp.interactive
-def _trained(cfg, data, lr):
+def _trained(cfg, data, lr, shape=(2, 2, 2), names=("pp", "dp_shard", "tp"), zero=1, sequence_parallel=True):
     from helpers.model import GPT
     from helpers.parallel import composition
     from helpers.parallel.mesh import Mesh
 
-    mesh = Mesh((2, 2, 2), ("pp", "dp_shard", "tp")).make_groups()
-    plan = composition.Plan(zero=1, sequence_parallel=True)
+    mesh = Mesh(shape, names).make_groups()
+    plan = composition.Plan(zero=zero, sequence_parallel=sequence_parallel)
     return composition.train(GPT(cfg, seed=0).double(), mesh, plan, data, lr)
 
 
@@ -127,3 +127,26 @@ def test_composition_train_on_pp_dp_tp_with_zero1_and_sp_matches_one_process(eig
     assert_close_to_scale(params, named_params(reference), 1e-10, "parameters after 2 AdamW steps:")
     assert len(others) == 1
     assert_close_to_scale(others[0], {n: params[n] for n in others[0]}, 1e-12, "the other dp replica:")
+
+
+@pytest.mark.parametrize("zero", [0, 1], ids=["ddp", "zero1"])
+def test_composition_train_with_cp_in_the_data_parallel_group_matches_one_process(eight, zero):
+    """On ``(dp_shard, cp, tp)`` the gradients are averaged over ``dp_shard_cp``: the CP ranks of one row
+    of the batch hold the gradients of their own positions only, so averaging over ``dp_shard`` alone (the CP
+    ranks left out of the data-parallel group) leaves every rank's parameters off one process's. Every rank
+    is compared, not only the first replica: a CP rank is a replica of its row's other CP rank."""
+    from helpers.parallel import composition
+    from helpers.reference import named_params, train_steps
+
+    cfg = small_config(n_heads=8, n_kv_heads=4, seq_len=16)
+    data = [seeded_batch(cfg, 8, seed=s) for s in range(2)]
+    reference = GPT(cfg, seed=0).double()
+    losses = train_steps(reference, data, lr=1e-2)
+    results = eight.apply(_trained, cfg, data, 1e-2, (2, 2, 2), ("dp_shard", "cp", "tp"), zero, False)
+    for step, want in enumerate(losses):  # each rank's loss is its own tokens' mean: the mean of all 8
+        got = sum(r["losses"][step] for r in results) / len(results)
+        assert got == pytest.approx(want, rel=1e-12), f"step {step}"
+    params, others = composition.assemble(results, cfg, "params")
+    assert len(others) == 3  # (dp_shard, cp) = (0, 1), (1, 0), (1, 1)
+    for i, part in enumerate([params, *others]):
+        assert_close_to_scale(part, named_params(reference), 1e-10, f"replica {i}, parameters after 2 steps:")

@@ -141,7 +141,7 @@ def test_the_book_ring_as_all_reduce_moves_what_the_formula_says(ranks, referenc
 
 
 @ipp.interactive
-def _wrong_pattern(cfg, x, y, wrong, cap_bytes):
+def _wrong_pattern(cfg, x, y, wrong, cap_bytes, overlapped=True):
     import torch.distributed as dist
 
     from helpers.checks import CheckFailed
@@ -155,12 +155,13 @@ def _wrong_pattern(cfg, x, y, wrong, cap_bytes):
     if wrong == "synchronous":
         buckets = data_parallel.build_buckets(list(model.parameters()), cap_bytes)
     else:
-        trainer = data_parallel.OverlappedDDP(model, {"per parameter": 1, "one bucket": 2**40}[wrong])
+        cap = {"per parameter": 1, "one bucket": 2**40, "overlapped": cap_bytes}[wrong]
+        trainer = data_parallel.OverlappedDDP(model, cap)
     with watch:
         model(rank_rows(x, rank, world_size), rank_rows(y, rank, world_size))[1].backward()
         data_parallel.bucketed_average(buckets) if wrong == "synchronous" else trainer.finish()
     try:
-        data_parallel.check_communication("pattern", watch, cap_bytes)
+        data_parallel.check_communication("pattern", watch, cap_bytes, overlapped=overlapped)
     except CheckFailed as err:
         return str(err)
     return None
@@ -194,3 +195,12 @@ def _a_parameter_without_gradient():
 def test_a_parameter_that_gets_no_gradient_stops_the_step(ranks):
     for err in ranks.apply(_a_parameter_without_gradient):
         assert err is not None and "never became ready: a parameter got no gradient" in err, err
+
+
+def test_the_after_backward_check_passes_version_2_and_rejects_an_overlapped_one(ranks):
+    """Chapter 03's version 2 is checked with ``overlapped=False``: its buckets, and no all-reduce before
+    backward's last gradient; an overlapped DDP with the same buckets fails that last part."""
+    x, y = seeded_batch(CFG, GLOBAL_BATCH)
+    assert ranks.apply(_wrong_pattern, CFG, x, y, "synchronous", CAP_BYTES, False) == [None, None]
+    for err in ranks.apply(_wrong_pattern, CFG, x, y, "overlapped", CAP_BYTES, False):
+        assert err is not None and "called before backward's last gradient" in err, err

@@ -22,9 +22,12 @@ def test_backend_setting(monkeypatch):
 
 
 def test_collective_timeout_setting(monkeypatch):
-    monkeypatch.setenv("BOOK_COLLECTIVE_TIMEOUT", "0")
-    with pytest.raises(ValueError, match="must be positive"):
-        book_dist.collective_timeout()
+    for bad in ("0", "-1", "abc", "nan", "inf", ""):
+        monkeypatch.setenv("BOOK_COLLECTIVE_TIMEOUT", bad)
+        with pytest.raises(ValueError) as caught:
+            book_dist.collective_timeout()
+        assert str(caught.value) == f"BOOK_COLLECTIVE_TIMEOUT={bad}: expected a positive, finite number of " \
+                                    f"seconds"
     monkeypatch.setenv("BOOK_COLLECTIVE_TIMEOUT", "12.5")
     assert book_dist.collective_timeout() == 12.5
 

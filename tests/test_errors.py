@@ -42,3 +42,12 @@ def test_frames_outside_the_repository_are_not_shown():
     assert errors.innermost_book_frame("File /usr/lib/python3.11/x.py:1, in f\n") is None
     assert errors.innermost_book_frame(TB) == "helpers/parallel/collectives.py:57, in ring_all_reduce"
     assert os.path.isabs(ROOT)
+
+
+def test_ipyparallels_notice_of_a_dead_engine_names_the_rank_not_minus_one():
+    """The controller's "Engine 1 died" comes without engine_info: the rank is read from the message."""
+    died = RemoteError("EngineError", "Engine 1 died while running task 'abc'", "", {})
+    assert errors.remote_error_lines(died) == \
+        ["on rank 1: EngineError: Engine 1 died while running task 'abc'"]
+    unknown = RemoteError("RuntimeError", "lost", "", {})
+    assert errors.remote_error_lines(unknown) == ["on an unknown rank: RuntimeError: lost"]

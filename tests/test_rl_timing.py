@@ -83,6 +83,15 @@ def test_costs_follow_the_longest_response_and_every_token():
     assert timeline.makespan == pytest.approx(0.2 + 0.03 + 0.3 + 0.03 + 2 * 1.0)
 
 
+def test_a_decode_step_is_the_slower_of_its_reads_and_its_arithmetic_by_hand():
+    # [3, 1, 1]: step 1 reads the weights (1) and 3 caches of 1 token (0.75), step 2 one of 2, step 3 one of 3
+    assert rl_timing.RLCosts(1.0, 0.0, 0.0, kv_s_per_token=0.25).rollout_s([3, 1, 1]) == pytest.approx(5.0)
+    # [2, 1]: reads 1 + 0.5·2 = 2 then 1 + 0.5·2 = 2; computing 1.5 a response makes step 1 take 3
+    assert rl_timing.RLCosts(1.0, 0.0, 0.0, kv_s_per_token=0.5).rollout_s([2, 1]) == pytest.approx(4.0)
+    with_arithmetic = rl_timing.RLCosts(1.0, 0.0, 0.0, 0.5, compute_s_per_token=1.5)
+    assert with_arithmetic.rollout_s([2, 1]) == pytest.approx(5.0)
+
+
 def test_lognormal_lengths_have_the_mean_asked_for_and_obey_the_cap():
     rng = np.random.default_rng(0)
     lengths = rl_timing.lognormal_lengths(rng, 200_000, mean=500, sigma=1.0)

@@ -137,13 +137,16 @@ def _sharded_run(cfg, stage, micro_batches, batches, adamw, reshard=True, prefet
         sharded = zero.ShardedAdamW(model, stage=stage, **cap, **adamw)
         shard_of_param = sharded.shard_of_param
     grad_shards = None
+    seen = []  # what the update saw: ZeRO-1 frees its averaged rows once the update has used them
+    sharded.optimizer.register_step_pre_hook(lambda *_: seen.append({n: shard_of_param[p].grad.clone()
+                                                                     for n, p in model.named_parameters()}))
     for step, (x, y) in enumerate(batches):
         xs, ys = rank_rows(x, rank, world_size), rank_rows(y, rank, world_size)
         for xm, ym in zip(xs.chunk(micro_batches), ys.chunk(micro_batches)):
             (model(xm, ym)[1] / micro_batches).backward()
-        sharded.step()  # ZeRO-1 reduce-scatters here; the step leaves the gradient shards as they are
+        sharded.step()  # ZeRO-1 reduce-scatters here
         if step == 0:
-            grad_shards = {n: shard_of_param[p].grad.clone() for n, p in model.named_parameters()}
+            grad_shards = seen[0]
         sharded.zero_grad()
     if stage == 3:
         gathered = sharded.full_parameters()

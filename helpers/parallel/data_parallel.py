@@ -225,14 +225,16 @@ class CommunicationWatch(TorchCollectives):
         return len(self.all_reduce_bytes(self.grads[-1][2] if self.grads else 0))
 
 
-def check_communication(label: str, watch: CommunicationWatch, cap_bytes: int) -> None:
-    """Bucketed, overlapped data parallelism, judged by the order of what ``watch`` saw on this rank.
+def check_communication(label: str, watch: CommunicationWatch, cap_bytes: int,
+                        overlapped: bool = True) -> None:
+    """Bucketed data parallelism, judged by the order of what ``watch`` saw on this rank.
 
     - the all-reduced buffers add up to the gradients' bytes: every gradient is sent once;
     - no buffer is over ``cap_bytes``, unless it is one parameter larger than the cap (it must go alone);
     - the buckets are full: no two consecutive all-reduces would have fitted under the cap together;
-    - every all-reduce but the last is called before backward's last gradient: the last bucket to fill can
-      only start once that gradient exists, every other one while backward is still running.
+    - ``overlapped``: every all-reduce but the last is called before backward's last gradient (the last bucket
+      to fill can only start once that gradient exists, every other one while backward is still running);
+      not ``overlapped`` (all-reduces after backward, by design): none is called before that gradient.
     """
     sizes = watch.all_reduce_bytes()
     lone = {n for n in watch.param_bytes.values() if n > cap_bytes}
@@ -245,4 +247,5 @@ def check_communication(label: str, watch: CommunicationWatch, cap_bytes: int) -
                 [f"{a:,} + {b:,} bytes" for a, b in zip(sizes, sizes[1:]) if a + b <= cap_bytes], [],
                 quiet=True)
     check_equal(f"{label}: all-reduces called before backward's last gradient, of {len(sizes)}",
-                watch.launched_before_last_gradient(), max(0, len(sizes) - 1), quiet=True)
+                watch.launched_before_last_gradient(), max(0, len(sizes) - 1) if overlapped else 0,
+                quiet=True)

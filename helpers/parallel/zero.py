@@ -195,6 +195,9 @@ class ShardedAdamW:
                 self._reduce(b)
         self.memory.sample("before the update")
         self.optimizer.step()
+        if self.stage == 1:  # the rows' averaged gradients were for this update only: the next step makes
+            for shard in self.shards:  # them again from the full gradients, so keeping them buys nothing
+                shard.grad = None
         for bucket, flat in zip(self.buckets, self.flats):
             gathered = comms.all_gather(flat, 0, self.group).view(self.world_size, -1)
             # the copy-out: the model's parameters are not padded, so each takes its rows from every rank's

@@ -183,12 +183,14 @@ def zero(stage: int, **timing) -> dict:
     memory = (model_state_bytes(mine, sharded.optimizer), model_state_bytes(pytorch, theirs_optimizer))
 
     mine, sharded, pytorch, _, ours, theirs = pair()
+    shards = sharded.shards if stage == 1 else list(sharded.shards.values())
+    seen = []  # the rows' averaged gradients as the last update saw them (ZeRO-1 frees them after it)
+    sharded.optimizer.register_step_pre_hook(lambda *_: seen.append([s.grad.clone() for s in shards]))
     for _ in range(3):
         ours()
         theirs()
-    shards = sharded.shards if stage == 1 else list(sharded.shards.values())
-    grads = {name: book_zero.all_gather_rows(shard.grad, p.shape[0]).view(p.shape)
-             for (name, p), shard in zip(mine.named_parameters(), shards)}
+    grads = {name: book_zero.all_gather_rows(grad, p.shape[0]).view(p.shape)
+             for (name, p), grad in zip(mine.named_parameters(), seen[-1])}
     params = (named_params(mine) if stage == 1 else
               {sharded.names[p]: full for p, full in sharded.full_parameters().items()})
     label = f"bench: ZeRO-{stage} against {'ZeroRedundancyOptimizer' if stage == 1 else 'FSDP2'}"

@@ -3,7 +3,8 @@
 The book's build starts kernels, each kernel starts a controller and engines in their own sessions. If a
 kernel is killed, its engines survive it. This wrapper makes itself a child subreaper (Linux
 ``PR_SET_CHILD_SUBREAPER``), so every orphan of the command is re-parented to it rather than to init; when the
-command ends, or the wrapper is interrupted, it ends all remaining descendants, says which, and exits with the
+command ends, or the wrapper is interrupted, it ends all remaining descendants, says which (unless it was
+interrupted: Ctrl-C leaves a run half done, and the command says ``interrupted``), and exits with the
 command's status.
 
 The command also gets a temporary folder of its own (``TMPDIR``), removed when it ends: what third-party code
@@ -97,7 +98,10 @@ def main(argv: list[str]) -> int:
     private_tmp = tempfile.mkdtemp(prefix="book-run-")
     proc = subprocess.Popen(argv, env={**os.environ, "TMPDIR": private_tmp})
 
+    interrupted = []
+
     def forward(signum, _frame):
+        interrupted.append(signum)
         proc.send_signal(signum)
 
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -105,7 +109,7 @@ def main(argv: list[str]) -> int:
     try:
         status = proc.wait()
         left = end_descendants()
-        if left:
+        if left and not interrupted:
             print(f"reap: ended {len(left)} process(es) the command left behind:", file=sys.stderr)
             for line in left:
                 print(f"  {line}", file=sys.stderr)

@@ -8,8 +8,18 @@ on the last one: in the steady state a step lasts ``max(t_R, t_T) + t_W``, and e
 a policy one step newer than the one that generated it (its staleness).
 
 A rollout lasts as long as its longest response: the engine decodes every unfinished response one token per
-decode step, so ``t_R = decode_s * max(lengths)``, while training costs every token, ``t_T = train_s_per_token
-* sum(lengths)``. Response lengths have long tails, so ``t_R`` grows with the batch and with the tail.
+decode step, and runs ``max(lengths)`` steps. A decode step is modelled as the slower of its memory traffic
+and its arithmetic: it reads the weights once (``decode_s``) and each unfinished response's cache of keys and
+values (``kv_s_per_token`` per cached token: at step ``t`` a response holds ``t`` tokens of its own), and
+computes one token for each unfinished response (``compute_s_per_token``). With ``u_t`` responses unfinished
+at step ``t``,
+
+    t_R = sum over t = 1 .. max(lengths) of
+          max(decode_s + kv_s_per_token * t * u_t, compute_s_per_token * u_t),
+
+which is ``decode_s * max(lengths)`` when the last two are zero. Training costs every token, ``t_T =
+train_s_per_token * sum(lengths)``. Response lengths have long tails, so ``t_R`` grows with the batch and with
+the tail.
 
 :func:`simulate` plays the pools' timelines step by step from each step's ``t_R`` and ``t_T``, for any bound
 on the staleness; :func:`closed_form` is the makespan when every step costs the same, which the simulator must
@@ -27,18 +37,27 @@ from dataclasses import dataclass, field
 class RLCosts:
     """What a step's rollout and training cost, given its responses' lengths (in tokens)."""
 
-    decode_s: float            # one decode step of the generator: a token for every unfinished response
+    decode_s: float            # a decode step's read of the weights (a token for every unfinished response)
     train_s_per_token: float   # the trainer's seconds per token (forward and backward, and the log-probs)
     update_s: float            # moving the new weights from the trainer to the generator
+    kv_s_per_token: float = 0.0       # a decode step's read of one cached token's keys and values
+    compute_s_per_token: float = 0.0  # a decode step's arithmetic for one unfinished response
 
     def __post_init__(self):
-        for name in ("decode_s", "train_s_per_token", "update_s"):
+        for name in ("decode_s", "train_s_per_token", "update_s", "kv_s_per_token", "compute_s_per_token"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be non-negative, got {getattr(self, name)}")
 
     def rollout_s(self, lengths) -> float:
-        """The longest response sets the rollout's time: the others finish earlier and wait."""
-        return self.decode_s * max(lengths)
+        """The longest response sets how many decode steps run; each step is the slower of reading the
+        weights and the unfinished responses' caches, and computing their next tokens."""
+        import numpy as np
+
+        lengths = np.sort(np.asarray(lengths))
+        t = np.arange(1, int(lengths[-1]) + 1)
+        unfinished = len(lengths) - np.searchsorted(lengths, t, side="left")  # responses with length >= t
+        memory = self.decode_s + self.kv_s_per_token * t * unfinished
+        return float(np.maximum(memory, self.compute_s_per_token * unfinished).sum())
 
     def train_s(self, lengths) -> float:
         """Training reads every token once."""
