@@ -15,8 +15,8 @@ who ran ``make build`` with no network. A page fails on:
 - an output, a code cell or a table wider than the text column (it would scroll sideways or be clipped); on a
   phone a table may scroll inside its own box, which must fit the column;
 - a figure (an image in the text) without a caption: an ``img`` outside a ``figure`` with a ``figcaption``;
-- a cell's output longer than 60 lines (lines of text plus rows of tables), unless it is folded away in a
-  closed toggle (``hide-output``, a dropdown);
+- an output longer than 60 lines (a block of text or code, or a table of more than 60 rows), unless it is
+  folded away in a closed toggle (``hide-output``, a dropdown);
 - a table with a row of the wrong width: in the page (a row whose cells, counting ``colspan``, are not the
   header's), or in the Markdown it was made from (a cell with a bare ``|`` splits its row; Markdown then drops
   the extra cells or pads the row with empty ones, so the HTML alone cannot tell). The Markdown is the page's
@@ -209,17 +209,13 @@ _INSPECT = """async ([phone, limit]) => {
     return !(caption && caption.textContent.trim());
   }).map(i => i.getAttribute('src'));
   const shut = el => !!el.closest('details:not([open])');
-  const long = [];
-  for (const cell of article.querySelectorAll('.cell_output')) {
-    if (shut(cell)) continue;
-    let lines = 0;
-    for (const el of cell.querySelectorAll('pre, table')) {
-      if (shut(el) || el.parentElement.closest('pre, table')) continue;
-      lines += el.tagName === 'PRE' ? el.textContent.replace(/\\n+$/, '').split('\\n').length
-                                    : el.rows.length;
-    }
-    const first = (cell.innerText || '').trim().split('\\n')[0].slice(0, 60);
-    if (lines > limit) long.push(`${lines} lines: "${first}"`);
+  const long = [];  // each output block (a text output, a code listing, a table) on its own
+  for (const el of article.querySelectorAll('.cell_output pre, .cell_output table')) {
+    if (shut(el) || el.parentElement.closest('pre, table')) continue;
+    const lines = el.tagName === 'PRE' ? el.textContent.replace(/\\n+$/, '').split('\\n').length
+                                       : el.rows.length;
+    const first = (el.innerText || '').trim().split('\\n')[0].slice(0, 60);
+    if (lines > limit) long.push(`${el.tagName.toLowerCase()} of ${lines} lines: "${first}"`);
   }
   const ragged = [];
   for (const t of article.querySelectorAll('table')) {

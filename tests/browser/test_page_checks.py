@@ -16,7 +16,8 @@ DOT = ("data:image/png;base64,iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADU
        "hKmMIQAAAABJRU5ErkJggg==")
 RIGHT = {
     "figure": f'<figure><img src="{DOT}" alt="a red dot"><figcaption><p>One dot.</p></figcaption></figure>',
-    "output": '<div class="cell_output"><pre>' + "\n".join(f"line {i}" for i in range(60)) + "</pre></div>"
+    "output": '<div class="cell_output"><pre>' + "\n".join(f"line {i}" for i in range(60)) + "</pre>"
+              "<table>" + "<tr><td>row</td></tr>" * 60 + "</table></div>"
               '<div class="cell_output"><details class="hide"><summary>show</summary><pre>'
               + "\n".join(f"folded {i}" for i in range(100)) + "</pre></details></div>",
     "table": "<table><tr><th>a</th><th>b</th></tr><tr><td colspan=2>both</td></tr>"
@@ -24,8 +25,7 @@ RIGHT = {
 }
 WRONG = {
     "figure": f'<figure><img src="{DOT}" alt="a red dot"></figure><p><img src="{DOT}" alt="another dot"></p>',
-    "output": '<div class="cell_output"><pre>' + "\n".join(f"line {i}" for i in range(40)) + "</pre>"
-              "<table>" + "<tr><td>row</td></tr>" * 21 + "</table></div>",
+    "output": '<div class="cell_output"><pre>' + "\n".join(f"line {i}" for i in range(61)) + "</pre></div>",
     "table": "<table><tr><th>a</th><th>b</th></tr><tr><td>1</td></tr><tr><td>1</td><td>2</td></tr></table>",
 }
 GOOD_MD = "| what | value |\n|---|---|\n| \\|\\|ΔW\\|\\| | 1 |\n"
@@ -74,7 +74,8 @@ def test_a_figure_without_a_caption_fails(found):
 
 
 def test_an_output_over_60_lines_fails(found):
-    assert found["output_wrong"] == ['output longer than 60 lines: 61 lines: "line 0"'], found["output_wrong"]
+    want = 'output longer than 60 lines: pre of 61 lines: "line 0"'
+    assert found["output_wrong"] == [want], found["output_wrong"]
 
 
 def test_a_ragged_table_fails(found):
