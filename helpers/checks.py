@@ -23,6 +23,8 @@ import math
 import re
 from dataclasses import asdict, dataclass
 
+from helpers.show import cell
+
 
 class CheckFailed(AssertionError):
     """A distributed result does not match its single-process reference."""
@@ -324,8 +326,9 @@ def summary_table(rows: list[CheckResult]) -> str:
         where = _where_label(e["where"])
         if e["of_ranks"]:
             where += f" (results of {_where_label([f'rank {r}' for r in e['of_ranks']])})"
-        lines.append(f"| {name} | {where} | {e['n']} | {e['max_abs']:.2e} | {e['max_rel']:.2e} | {tol} | "
-                     f"{'yes' if e['passed'] else '**NO**'} |")
+        # A check's name may hold a | (‖ΔW‖ written ||ΔW||): escaped, or the row loses its cells.
+        lines.append(f"| {cell(name)} | {cell(where)} | {e['n']} | {e['max_abs']:.2e} | {e['max_rel']:.2e} | "
+                     f"{cell(tol)} | {'yes' if e['passed'] else '**NO**'} |")
     return "\n".join(lines)
 
 
@@ -336,7 +339,7 @@ def family_table(rows: list[CheckResult]) -> str:
         families.setdefault(r.tolerance, []).append(r)
     lines = ["| tolerance | checks | max abs error | max rel error | all pass |", "|---|---|---|---|---|"]
     for tol, family in sorted(families.items(), key=lambda item: -len(item[1])):
-        lines.append(f"| {tol} | {len(family)} | {max(r.max_abs for r in family):.2e} | "
+        lines.append(f"| {cell(tol)} | {len(family)} | {max(r.max_abs for r in family):.2e} | "
                      f"{max(r.max_rel for r in family):.2e} | "
                      f"{'yes' if all(r.passed for r in family) else '**NO**'} |")
     return "\n".join(lines)
@@ -363,9 +366,13 @@ def report(ranks=None) -> None:
     try:
         from IPython.display import Markdown, display
 
-        # The whole table runs to hundreds of rows: the page shows the families, the rows fold away.
+        # The whole table runs to hundreds of rows: the page shows the count and the families, the rows
+        # fold away in a dropdown (closed until the reader opens it) whose title says how many there are.
         count = table.count("\n") - 1
-        display(Markdown(f"{families}\n\n:::{{dropdown}} Every check, one row each ({count} rows)\n\n"
+        verdict = "all passed" if not failed else f"**{len(failed)} failed**"
+        display(Markdown(f"**{len(rows)} checks** ran in this chapter, {verdict}; by tolerance:\n\n"
+                         f"{families}\n\n"
+                         f":::{{dropdown}} The table of checks: {len(rows)} checks in {count} rows\n\n"
                          f"{table}\n:::\n"))
     except ImportError:
         print(families, table, sep="\n\n")

@@ -196,3 +196,26 @@ def test_summarize_prints_the_worst_error(capsys):
     assert "ok  sum: 2 comparisons" in capsys.readouterr().out
     with pytest.raises(CheckFailed, match="no check named"):
         checks.summarize("nothing")
+
+
+def test_a_check_named_with_a_bar_keeps_its_row():
+    """Chapter 13's `||ΔW||` split its row; the table escapes it and every row has the header's width."""
+    from helpers.show import ragged_rows
+
+    rows = [checks.CheckResult("||ΔW|| / ||W||", "kernel", 0.0, 0.0, "exact", True),
+            checks.CheckResult("a|b", "rank 0", 0.0, 0.0, "rtol=1e-06 | atol=0", True)]
+    for table in (checks.summary_table(rows), checks.family_table(rows)):
+        assert ragged_rows(table) == [], table
+    assert r"\|\|ΔW\|\| / \|\|W\|\|" in checks.summary_table(rows)
+
+
+def test_the_report_folds_its_rows_and_shows_the_count(monkeypatch):
+    shown = []
+    monkeypatch.setattr("IPython.display.display", lambda obj: shown.append(obj.data))
+    for i in range(3):
+        check_equal(f"c{i}", i, i)
+    report()
+    text = shown[-1]
+    assert text.startswith("**3 checks** ran in this chapter, all passed")
+    assert ":::{dropdown} The table of checks: 3 checks in 3 rows\n" in text
+    assert text.index(":::{dropdown}") < text.index("| c0 |")

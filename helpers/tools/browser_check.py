@@ -13,7 +13,15 @@ who ran ``make build`` with no network. A page fails on:
 - an internal link to a page that does not exist, or to an anchor that page does not have;
 - a menu button (☰) that does not open the chapter list on a phone or hide it on a laptop;
 - an output, a code cell or a table wider than the text column (it would scroll sideways or be clipped); on a
-  phone a table may scroll inside its own box, which must fit the column.
+  phone a table may scroll inside its own box, which must fit the column;
+- a figure (an image in the text) without a caption: an ``img`` outside a ``figure`` with a ``figcaption``;
+- an output longer than 60 lines (a block of text or code, or a table of more than 60 rows), unless it is
+  folded away in a closed toggle (``hide-output``, a dropdown);
+- a table with a row of the wrong width: in the page (a row whose cells, counting ``colspan``, are not the
+  header's), or in the Markdown it was made from (a cell with a bare ``|`` splits its row; Markdown then drops
+  the extra cells or pads the row with empty ones, so the HTML alone cannot tell). The Markdown is the page's
+  executed notebook (``jupyter_execute/`` beside the site: its Markdown cells and Markdown outputs) or its
+  source in ``_sources/``.
 
 It keeps a screenshot of every page at both widths (JPEG) in ``--screenshots``: of the first screen, or
 with ``--full-page`` of the whole page, which took most of the check's time in ``make test`` (about 5 s for a
@@ -32,6 +40,7 @@ import urllib.parse
 from dataclasses import dataclass, field
 
 WIDTHS = {"laptop": 1280, "phone": 390}
+MAX_OUTPUT_LINES = 60
 SKIP_DIRS = {"_static", "_sources", "_images", "_sphinx_design_static", "_panels_static"}
 # The theme's own pages hold no chapter content; search.html is opened like every other page.
 SKIP_PAGES = {"genindex.html"}
@@ -137,8 +146,42 @@ def broken_links(hrefs: list[str], anchors: Anchors) -> list[str]:
     return broken
 
 
+def page_markdown(root: str, rel: str) -> list[str]:
+    """The Markdown a page was made from: its executed notebook's Markdown cells and Markdown outputs, or
+    the source Sphinx copied to ``_sources/``; an empty list if there is neither."""
+    import json
+
+    stem = rel[:-len(".html")]
+    executed = os.path.join(os.path.dirname(os.path.abspath(root)), "jupyter_execute", stem + ".ipynb")
+    if os.path.isfile(executed):
+        with open(executed, encoding="utf-8") as f:
+            notebook = json.load(f)
+        texts = []
+        for cell in notebook.get("cells", []):
+            source = cell.get("source", "")
+            if cell.get("cell_type") == "markdown":
+                texts.append(source if isinstance(source, str) else "".join(source))
+            for output in cell.get("outputs", []):
+                shown = output.get("data", {}).get("text/markdown")
+                if shown:
+                    texts.append(shown if isinstance(shown, str) else "".join(shown))
+        return texts
+    for suffix in (".md", ".md.txt", ".txt"):
+        source = os.path.join(root, "_sources", stem + suffix)
+        if os.path.isfile(source):
+            with open(source, encoding="utf-8", errors="replace") as f:
+                return [f.read()]
+    return []
+
+
+def ragged_source_tables(root: str, rel: str) -> list[str]:
+    from helpers.show import ragged_rows
+
+    return [row for text in page_markdown(root, rel) for row in ragged_rows(text)]
+
+
 # Runs in the page once it has loaded and MathJax (if the page has formulas) has finished.
-_INSPECT = """async (phone) => {
+_INSPECT = """async ([phone, limit]) => {
   if (window.MathJax && MathJax.startup && MathJax.startup.promise) { await MathJax.startup.promise; }
   const article = document.querySelector('.bd-article') || document.body;
   const edge = article.getBoundingClientRect().right;
@@ -161,7 +204,29 @@ _INSPECT = """async (phone) => {
       wide.push(`${el.tagName.toLowerCase()} ${Math.max(over, out).toFixed(0)} px too wide: "${text}"`);
     }
   }
-  return {raw: raw.map(m => m.textContent.slice(0, 50)), hasMath: maths.length,
+  const uncaptioned = [...article.querySelectorAll('img')].filter(i => {
+    const figure = i.closest('figure'), caption = figure && figure.querySelector('figcaption');
+    return !(caption && caption.textContent.trim());
+  }).map(i => i.getAttribute('src'));
+  const shut = el => !!el.closest('details:not([open])');
+  const long = [];  // each output block (a text output, a code listing, a table) on its own
+  for (const el of article.querySelectorAll('.cell_output pre, .cell_output table')) {
+    if (shut(el) || el.parentElement.closest('pre, table')) continue;
+    const lines = el.tagName === 'PRE' ? el.textContent.replace(/\\n+$/, '').split('\\n').length
+                                       : el.rows.length;
+    const first = (el.innerText || '').trim().split('\\n')[0].slice(0, 60);
+    if (lines > limit) long.push(`${el.tagName.toLowerCase()} of ${lines} lines: "${first}"`);
+  }
+  const ragged = [];
+  for (const t of article.querySelectorAll('table')) {
+    const rows = [...t.rows];
+    if (rows.some(r => [...r.cells].some(c => c.rowSpan > 1))) continue;
+    const widths = rows.map(r => [...r.cells].reduce((n, c) => n + (c.colSpan || 1), 0));
+    const bad = widths.findIndex(w => w !== widths[0]);
+    if (bad > 0) ragged.push(`row ${bad + 1} has ${widths[bad]} cells, the first ${widths[0]}: ` +
+                              `"${rows[bad].innerText.trim().slice(0, 60)}"`);
+  }
+  return {raw: raw.map(m => m.textContent.slice(0, 50)), hasMath: maths.length, uncaptioned, long, ragged,
           mathjax: !!window.MathJax, images: images.map(i => i.getAttribute('src')), unnamed,
           links: [...document.querySelectorAll('a[href], link[href]')].map(a => a.href), wide};
 }"""
@@ -240,7 +305,7 @@ def _check_page(context, root, rel, width, leaving, anchors, screenshots, full_p
             lambda r: missing.append(r.url) if r.url.startswith("file:") else None)
     del leaving[:]
     page.goto("file://" + urllib.parse.quote(os.path.join(root, rel)), wait_until="load")
-    found = page.evaluate(_INSPECT, width == "phone")
+    found = page.evaluate(_INSPECT, [width == "phone", MAX_OUTPUT_LINES])
     fail = report.failures.append
     for text in errors:
         if "net::ERR_FAILED" not in text:  # a blocked request, reported below by its URL
@@ -253,6 +318,14 @@ def _check_page(context, root, rel, width, leaving, anchors, screenshots, full_p
         fail(f"image does not load: {src}")
     for src in found["unnamed"]:
         fail(f"figure without alt text: {src}")
+    for src in found["uncaptioned"]:
+        fail(f"figure without a caption: {src}")
+    for text in found["long"]:
+        fail(f"output longer than {MAX_OUTPUT_LINES} lines: {text}")
+    for text in found["ragged"]:
+        fail(f"table with a row of the wrong width: {text}")
+    for text in ragged_source_tables(root, rel):
+        fail(f"table with a row of the wrong width in its Markdown: {text}")
     if found["hasMath"] and not found["mathjax"]:
         fail(f"{found['hasMath']} formulas and no MathJax on the page")
     for tex in found["raw"][:5]:
