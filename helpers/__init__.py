@@ -18,7 +18,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the reposi
 # chapter number -> the modules it teaches, dotted names, in the order the chapter shows them
 CHAPTERS = {
     "00": (),  # the harness itself, at work: ranks, dist, checks, tools.px_script
-    "01": ("helpers.model_size", "helpers.memory_budget", "helpers.time_model", "helpers.layout_rules"),
+    "01": ("helpers.model_size", "helpers.memory_budget", "helpers.time_model", "helpers.layout_rules",
+           "helpers.matmul_rate", "helpers.published_runs"),
     "02": ("helpers.parallel.ledger", "helpers.parallel.collectives", "helpers.parallel.collective_costs",
            "helpers.parallel.comms"),
     "03": ("helpers.parallel.data_parallel",),

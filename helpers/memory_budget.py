@@ -246,6 +246,19 @@ def _stage_params(model: ModelShape, layout: Layout) -> list[tuple[int, int]]:
     return stages
 
 
+# What a running framework holds beyond the tensors the budget counts: the CUDA context and the kernels'
+# workspaces, the communication library's buffers (NCCL_BUFFSIZE, 4 MiB per channel and peer by default;
+# NVIDIA's NCCL environment documentation) and what PyTorch's caching allocator cannot reuse (fragmentation,
+# PyTorch's CUDA semantics notes). An assumption of a few GB, the order PyTorch's memory snapshot shows:
+# a layout fits when its budget plus this allowance is at most the GPU's memory.
+FRAMEWORK_ALLOWANCE = 2e9
+
+
+def fits(b: "Budget", memory: float, allowance: float = FRAMEWORK_ALLOWANCE) -> bool:
+    """Whether budget ``b`` and the framework allowance fit in ``memory`` bytes."""
+    return b.total_bytes + allowance <= memory
+
+
 def model_state_bytes(n_params: int, dp: int, zero: int, precision: Precision) -> tuple[int, int, int]:
     """Bytes of (parameters, gradients, optimizer states) one data-parallel rank keeps for ``n_params``.
 

@@ -35,6 +35,7 @@ class ModelShape:
     top_k: int = 0
     n_dense_layers: int = 0        # leading layers that keep a dense MLP in a MoE model
     source: str = ""
+    route_nodes: int = 0           # node-limited routing: a token's experts on at most this many nodes
 
     def __post_init__(self):
         for f in ("n_layers", "d_model", "n_heads", "n_kv_heads", "d_ff", "vocab_size"):
@@ -213,7 +214,8 @@ PRESETS = [GPT2_SMALL, LLAMA3_8B, LLAMA3_70B, LLAMA3_405B, MIXTRAL_8X7B]
 # actives must agree to 1%.
 DEEPSEEK_V3_LIKE = ModelShape("DeepSeek-V3-like MoE", n_layers=61, d_model=7168, n_heads=128, n_kv_heads=128,
                               d_ff=2048, vocab_size=129280, n_experts=256, top_k=8, n_dense_layers=3,
-                              source="DeepSeek-AI 2024, section 4.2 (MLA as MHA, no shared expert)")
+                              source="DeepSeek-AI 2024, section 4.2 (MLA as MHA, no shared expert)",
+                              route_nodes=4)  # each token sent to at most 4 nodes (ibid., section 3.2.2)
 
 # The sizes these models are known by (total, active parameters): names round, so they agree with an exact
 # count to about 1%.

@@ -13,7 +13,7 @@ pipeline in 06, context parallelism in 07, expert parallelism in 08.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from helpers.model_size import kv_heads_per_rank
@@ -27,7 +27,9 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class Cluster:
     """Hardware for the time model. Bandwidths are per GPU, in bytes per second, as nccl-tests' bus
-    bandwidth."""
+    bandwidth. ``efficiency`` is the fraction of the peak the largest GEMMs reach; with ``hbm_bw`` (the
+    memory bandwidth) each GEMM's own rate follows from its shape (:mod:`helpers.matmul_rate`), without it
+    every matmul runs at ``efficiency``."""
 
     name: str
     gpus_per_node: int
@@ -36,11 +38,68 @@ class Cluster:
     inter_bw: float            # between nodes (InfiniBand / RoCE)
     intra_alpha: float = 5e-6  # latency of one message within a node, seconds
     inter_alpha: float = 10e-6
-    efficiency: float = 0.5    # fraction of peak the matmuls achieve
+    efficiency: float = 0.5    # the matmul ceiling (all matmuls, when hbm_bw is None)
+    hbm_bw: float | None = None  # bytes/s of the GPU's memory: GEMMs priced by their shape when given
+    attention_efficiency: float = 0.5  # flash attention's rate on the work it does, fraction of peak
+
+    def __post_init__(self):
+        for f in ("gpus_per_node", "peak_flops", "intra_bw", "inter_bw"):
+            if not getattr(self, f) > 0:
+                raise ValueError(f"Cluster {self.name!r}: {f} must be positive, got {getattr(self, f)}")
+        for f in ("efficiency", "attention_efficiency"):
+            if not 0 < getattr(self, f) <= 1:
+                raise ValueError(f"Cluster {self.name!r}: {f} is a fraction of the peak, in (0, 1], got "
+                                 f"{getattr(self, f)}")
+        if self.hbm_bw is not None and not self.hbm_bw > 0:
+            raise ValueError(f"Cluster {self.name!r}: hbm_bw must be positive or None, got {self.hbm_bw}")
 
 
+# The ceilings: fitted on the fitting runs of helpers.published_runs (chapter 01 refits them at build, fails
+# when they drift); flash attention at the 50 % of peak FlashAttention-2 reports as its lower end on A100
+# (Dao 2023: 50-73 %). Memory bandwidths from the vendors' datasheets (H100 SXM 3.35 TB/s, A100 80GB
+# 2.0 TB/s).
+H100_CEILING, A100_CEILING = 0.654, 0.673
 H100 = Cluster("8x H100 SXM per node, NVLink 4 and 8x400 Gb/s InfiniBand", gpus_per_node=8,
-               peak_flops=989e12, intra_bw=360e9, inter_bw=45e9)
+               peak_flops=989e12, intra_bw=360e9, inter_bw=45e9, efficiency=H100_CEILING, hbm_bw=3.35e12)
+# NVIDIA's Selene (Narayanan et al. 2021, section 5): DGX A100 nodes, NVLink 3 (600 GB/s both ways, 300 one
+# way; 240 taken as the bus bandwidth reached) and 8x200 Gb/s HDR InfiniBand per node (25 GB/s per GPU)
+A100_SELENE = Cluster("8x A100 80GB per node, NVLink 3 and 8x200 Gb/s InfiniBand (Selene)", gpus_per_node=8,
+                      peak_flops=312e12, intra_bw=240e9, inter_bw=25e9, efficiency=A100_CEILING,
+                      hbm_bw=2.0e12)
+
+
+@dataclass(frozen=True)
+class Assumptions:
+    """The time model's assumptions, each named, cited where production does it, and switchable: a test or a
+    page turns one off to see how much it moves a prediction.
+
+    - ``gemm_shape``: each GEMM at its shape's rate (:mod:`helpers.matmul_rate`); off: every matmul at the
+      cluster's ``efficiency``.
+    - ``causal_skip``: a causal flash-attention kernel skips the masked half of the product (FlashAttention-2,
+      Dao 2023), though MFU counts all of it; off: it computes the whole square.
+    - ``elementwise``: the memory-bound operations (norms, residuals, activations) at the memory bandwidth;
+      off: free (only with ``gemm_shape``).
+    - ``tp_overlap``: with sequence parallelism, the all-gathers and reduce-scatters are split and pipelined
+      with the GEMMs that use them (Megatron-LM's ``--tp-comm-overlap``, torchtitan's async TP); one chunk in
+      ``tp`` of the traffic, and whatever exceeds the GEMMs, stays exposed. Off (or without SP): all exposed.
+    - ``dp_overlap``: gradient reductions behind the backward of the micro-batch they follow (DDP's buckets).
+    - ``zero3_prefetch``: ZeRO-3/FSDP gathers prefetched behind the micro-batch before (FSDP's prefetch).
+    - ``cp_overlap``: context parallelism's K/V transfers behind the attention blocks (ring attention).
+    - ``ep_node_limited``: a model with node-limited routing (``ModelShape.route_nodes``) sends each token
+      across at most that many nodes, once each, and fans out over NVLink (DeepSeek-AI 2024).
+    """
+
+    gemm_shape: bool = True
+    causal_skip: bool = True
+    elementwise: bool = True
+    tp_overlap: bool = True
+    dp_overlap: bool = True
+    zero3_prefetch: bool = True
+    cp_overlap: bool = True
+    ep_node_limited: bool = True
+
+
+DEFAULT = Assumptions()
 
 
 @dataclass(frozen=True)
@@ -180,55 +239,98 @@ class StepTime:
     bubble_s: float
     step_s: float
     mfu: float
+    matmul_efficiency: float = 0.0  # the fraction of peak the step's FLOPs ran at
+    exposed_s: dict = field(default_factory=dict)  # the exposed part of each group's traffic
 
 
 def _link(kind: str, L: Layout, cluster: Cluster) -> tuple[float, float]:
     """(bandwidth, alpha) of the link a parallelism's ranks talk over: within a node if they fit in one (tp
     innermost, then cp, dp, pp)."""
-    span = {"tp": L.tp, "cp": L.tp * L.cp, "ep": L.tp * L.cp * L.ep, "dp": L.tp * L.cp * L.dp,
-            "dp (experts)": L.tp * L.cp * L.dp,
-            "pp": 2 * L.tp * L.cp * L.dp}[kind]  # pp: two neighbouring stages
+    span = _span(kind, L)
     if span <= cluster.gpus_per_node:
         return cluster.intra_bw, cluster.intra_alpha
     return cluster.inter_bw, cluster.inter_alpha
 
 
-def step_time(b: Budget, cluster: Cluster, overlap: bool = True) -> StepTime:
-    """The alpha-beta time of one step: compute at ``efficiency * peak``, each group's traffic at its link.
+def _span(kind: str, L: Layout) -> int:
+    return {"tp": L.tp, "cp": L.tp * L.cp, "ep": L.tp * L.cp * L.ep, "dp": L.tp * L.cp * L.dp,
+            "dp (experts)": L.tp * L.cp * L.dp,
+            "pp": 2 * L.tp * L.cp * L.dp}[kind]  # pp: two neighbouring stages
 
-    With ``overlap``, data-parallel traffic hides only behind compute that runs while it is in flight
-    (:class:`DPTransfer`): a gradient reduction behind the backward of the micro-batch whose gradients it
-    reduces, so a reduction once per step hides behind the last micro-batch's backward alone, 2/3 of
-    compute/m (on the first pipeline stage, whose last backward ends the step: later stages could also hide
-    it behind their cooldown, but the step waits for the first); ZeRO-3's gathers behind the micro-batch they
-    serve; the parameters' all-gather after the optimizer step behind nothing. Tensor-, context- and
-    expert-parallel traffic sits on the critical path. The pipeline bubble adds (pp-1)/(vpp*m) of the
-    compute (Narayanan et al. 2021).
+
+def _ep_seconds(b: Budget, cluster: Cluster, node_limited: bool) -> float:
+    """The all-to-alls: the share that stays in a node over NVLink, the rest over the network; with
+    node-limited routing, a token crosses to at most ``route_nodes`` other nodes, once each."""
+    L, model = b.layout, b.model
+    nodes = max(1, _span("ep", L) // cluster.gpus_per_node)
+    off_node = 1 - 1 / nodes
+    if node_limited and model.route_nodes and nodes > 1:
+        off_node *= min(1.0, model.route_nodes / model.top_k)
+    n_bytes, alpha = b.sent["ep"], (cluster.inter_alpha if nodes > 1 else cluster.intra_alpha)
+    return (n_bytes * (1 - off_node) / cluster.intra_bw + n_bytes * off_node / cluster.inter_bw
+            + b.messages["ep"] * alpha)
+
+
+def step_time(b: Budget, cluster: Cluster, overlap: bool = True, assumptions: Assumptions | None = None
+              ) -> StepTime:
+    """The alpha-beta time of one step: compute at the rate of its GEMMs' shapes, each group's traffic at
+    its link, minus what hides behind compute, plus the pipeline bubble.
+
+    Data-parallel traffic hides only behind compute that runs while it is in flight (:class:`DPTransfer`): a
+    gradient reduction behind the backward of the micro-batch whose gradients it reduces, so a reduction
+    once per step hides behind the last micro-batch's backward alone, 2/3 of compute/m (on the first pipeline
+    stage, whose last backward ends the step); ZeRO-3's gathers behind the micro-batch they serve; the
+    parameters' all-gather after the optimizer step behind nothing. ``overlap=False`` is
+    ``assumptions.dp_overlap`` off. Tensor-parallel traffic hides behind the layers' GEMMs when it is split
+    and pipelined with them (SP and ``tp_overlap``), but for one chunk in ``tp``; context-parallel traffic
+    behind the attention blocks; pipeline and expert traffic sit on the critical path. The pipeline bubble
+    adds (pp-1)/(vpp*m) of the compute (Narayanan et al. 2021).
     """
+    from helpers.matmul_rate import compute_profile
+
+    A = assumptions or DEFAULT
     L, m = b.layout, b.micro_batches
-    rate = cluster.peak_flops * cluster.efficiency
+    shaped = A.gemm_shape and cluster.hbm_bw is not None
+    if shaped:
+        profile = compute_profile(b.model, b.batch, L, b.activations_model, cluster, A.elementwise,
+                                  A.causal_skip)
+        efficiency = profile["flops"] / (profile["seconds"] * cluster.peak_flops)
+    else:
+        efficiency = cluster.efficiency
+    rate = cluster.peak_flops * efficiency
     compute = b.flops["total"] / L.world_size / rate
     forward = b.flops["model"] / 3 / L.world_size / rate / m  # a micro-batch's forward, no recomputation
-    window = {"forward": forward, "backward": compute / m - forward, "": 0.0}
     comm = {}
     for kind, n_bytes in b.sent.items():
+        if kind == "ep":
+            comm[kind] = _ep_seconds(b, cluster, A.ep_node_limited)
+            continue
         bw, alpha = _link(kind, L, cluster)
         comm[kind] = n_bytes / bw + b.messages[kind] * alpha
-    dp_comm = sum(v for k, v in comm.items() if k.startswith("dp"))
-    other = sum(v for k, v in comm.items() if not k.startswith("dp"))
-    if overlap:  # the transfers that share a window (the dense and the expert groups') run in it together
+    exposed = {k: v for k, v in comm.items() if not k.startswith("dp")}
+    if "tp" in comm and A.tp_overlap and L.sp:
+        # the layers' GEMMs on this rank's share of the step, the same share of the step as compute
+        share = profile["linear_s"] / profile["seconds"] if shaped else 0.9
+        exposed["tp"] = max(0.0, comm["tp"] - share * compute) + comm["tp"] / L.tp
+    if "cp" in comm and A.cp_overlap:
+        share = profile["attention_s"] / profile["seconds"] if shaped else 0.1
+        exposed["cp"] = max(0.0, comm["cp"] - share * compute * (L.cp - 1) / L.cp) + comm["cp"] / L.cp
+    window = {"forward": forward, "backward": compute / m - forward, "": 0.0}
+    if overlap and A.dp_overlap:  # transfers that share a window (the dense and the expert groups') together
         shared = {}
         for x in b.dp_transfers:
             bw, alpha = _link(x.kind, L, cluster)
             seconds = x.nbytes / bw + x.messages * alpha
             shared[x.behind, x.times] = shared.get((x.behind, x.times), 0.0) + seconds
-        dp_exposed = sum(times * max(0.0, seconds - window[behind])
+        prefetch = A.zero3_prefetch or L.zero < 3
+        dp_exposed = sum(times * max(0.0, seconds - (window[behind] if prefetch else 0.0))
                          for (behind, times), seconds in shared.items())
-
     else:
-        dp_exposed = dp_comm
-    exposed = other + dp_exposed
+        dp_exposed = sum(v for k, v in comm.items() if k.startswith("dp"))
+    if dp_exposed or any(k.startswith("dp") for k in comm):
+        exposed["dp"] = dp_exposed
     bubble = compute * (L.pp - 1) / (L.vpp * m) if L.pp > 1 else 0.0
-    step = compute + bubble + exposed
+    total_exposed = sum(exposed.values())
+    step = compute + bubble + total_exposed
     mfu = b.flops["model"] / (step * L.world_size * cluster.peak_flops)
-    return StepTime(compute, comm, exposed, bubble, step, mfu)
+    return StepTime(compute, comm, total_exposed, bubble, step, mfu, efficiency, exposed)

@@ -25,9 +25,10 @@ from dataclasses import dataclass, replace
 from itertools import product
 
 from helpers import layout_rules
-from helpers.memory_budget import BF16, ActivationModel, Budget, Layout, Precision, budget
+from helpers.memory_budget import (BF16, FRAMEWORK_ALLOWANCE, ActivationModel, Budget, Layout, Precision,
+                                   budget)
 from helpers.model_size import Batch, ModelShape
-from helpers.time_model import Cluster, StepTime, step_time
+from helpers.time_model import Assumptions, Cluster, StepTime, step_time
 
 RECOMPUTE = ("none", "selective", "full")
 
@@ -50,11 +51,10 @@ class Candidate:
         """The step in seconds, split into its terms: compute, bubble, and each group's exposed traffic (the
         data-parallel part: what does not hide behind compute)."""
         t = self.time
-        other = {k: v for k, v in t.comm_s.items() if not k.startswith("dp")}
+        other = {k: v for k, v in t.exposed_s.items() if k != "dp"}
         out = {"compute": t.compute_s, "bubble": t.bubble_s, **{f"{k} traffic": v for k, v in other.items()}}
-        dp = t.exposed_comm_s - sum(other.values())
-        if any(k.startswith("dp") for k in t.comm_s):
-            out["dp traffic (exposed)"] = dp
+        if "dp" in t.exposed_s:
+            out["dp traffic (exposed)"] = t.exposed_s["dp"]
         return out
 
     def describe(self) -> str:
@@ -79,6 +79,8 @@ class SearchResult:
     structures: int         # degree tuples that meet the rules
     structures_fit: int     # ... of which some variant fits
     budgets: int            # budgets computed
+    assumptions: Assumptions | None = None
+    allowance: float = 0.0
 
     @property
     def best(self) -> Candidate:
@@ -96,6 +98,15 @@ class SearchResult:
 
 def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def valid_vpps(model: ModelShape, pp: int) -> list[int]:
+    """Every number of virtual stages the rules allow with ``pp`` stages: each of the ``pp·vpp`` chunks holds
+    a layer (:func:`helpers.layout_rules.pipeline_parallel`); 1 alone without a pipeline."""
+    if pp == 1:
+        return [1]
+    return [v for v in range(1, model.n_layers // pp + 1) if _obeys(layout_rules.pipeline_parallel, pp * v,
+                                                                      model.n_layers)]
 
 
 def _obeys(rule, *args, **kwargs) -> bool:
@@ -126,29 +137,34 @@ def structures(model: ModelShape, cluster: Cluster, world_size: int, seq_len: in
     return found
 
 
-def _variants(tp: int, pp: int, micro_batches, vpps):
-    return product(micro_batches, [v for v in vpps if v == 1 or pp > 1], [True, False] if tp > 1 else [False])
+def _variants(model: ModelShape, tp: int, pp: int, micro_batches, vpps):
+    allowed = valid_vpps(model, pp) if vpps is None else [v for v in vpps if v == 1 or pp > 1]
+    return product(micro_batches, allowed, [True, False] if tp > 1 else [False])
 
 
-def _evaluate(model, batch, layout, recompute, precision, cluster, memory, world_size):
+def _evaluate(model, batch, layout, recompute, precision, cluster, memory, world_size, allowance=0.0):
     """The budget if the layout fits (with its traffic), its bytes if not, None if it breaks a rule."""
     act = ActivationModel(recompute=recompute)
     try:
         b = budget(model, batch, layout, precision, act, world_size, traffic=False)
     except ValueError:  # a rule that depends on the variant (interleaving needs m a multiple of pp; SP)
         return None
-    if b.total_bytes > memory:
+    if b.total_bytes + allowance > memory:
         return b.total_bytes
     return budget(model, batch, layout, precision, act, world_size)
 
 
 def search(model: ModelShape, cluster: Cluster, world_size: int, seq_len: int, global_batch: int,
-           precision: Precision = BF16, memory: float = 80e9, micro_batches=(1, 2), vpps=(1, 2),
-           zeros=(0, 1, 2, 3), prune: bool = True) -> SearchResult:
+           precision: Precision = BF16, memory: float = 80e9, micro_batches=(1, 2), vpps=None,
+           zeros=(0, 1, 2, 3), prune: bool = True, assumptions: Assumptions | None = None,
+           allowance: float = FRAMEWORK_ALLOWANCE) -> SearchResult:
     """Every fitting layout of ``model`` on ``world_size`` GPUs of ``cluster`` for a ``global_batch`` of
-    sequences of ``seq_len`` tokens, ranked by step time. ``prune=False`` is the brute force: no pruning,
-    every variant budgeted (the same best, many more budgets). Raises ValueError when no layout meets the
-    rules (naming the world size and the node) or none fits (naming the smallest memory any of them needs)."""
+    sequences of ``seq_len`` tokens, ranked by step time. ``vpps=None`` tries every number of virtual stages
+    the rules allow (:func:`valid_vpps`); a layout fits when its budget plus ``allowance`` (the framework's
+    own memory) is at most ``memory``. ``assumptions`` switch the time model's (``time_model.Assumptions``).
+    ``prune=False`` is the brute force: no pruning, every variant budgeted (the same best, many more
+    budgets). Raises ValueError when no layout meets the rules (naming the world size and the node) or none
+    fits (naming the smallest memory any of them needs)."""
     if world_size < 1 or (world_size > cluster.gpus_per_node and world_size % cluster.gpus_per_node):
         raise ValueError(f"world_size={world_size} is not a whole number of {cluster.gpus_per_node}-GPU "
                          f"nodes of {cluster.name}")
@@ -162,14 +178,14 @@ def search(model: ModelShape, cluster: Cluster, world_size: int, seq_len: int, g
     for dp, tp, pp, cp, ep in shapes:
         base = Layout(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep)
         frugal = _evaluate(model, Batch(seq_len, 1, global_batch), replace(base, zero=3, sp=tp > 1), "full",
-                           precision, cluster, memory, world_size)
+                           precision, cluster, memory, world_size, allowance)
         n_budgets += 1
         if not isinstance(frugal, Budget) and prune:
             if frugal is not None:
                 least = frugal if least is None else min(least, frugal)
             continue
         n_fit += isinstance(frugal, Budget)
-        for micro_batch, vpp, sp in _variants(tp, pp, micro_batches, vpps):
+        for micro_batch, vpp, sp in _variants(model, tp, pp, micro_batches, vpps):
             if global_batch % (dp * micro_batch):
                 continue
             batch = Batch(seq_len, micro_batch, global_batch)
@@ -179,10 +195,12 @@ def search(model: ModelShape, cluster: Cluster, world_size: int, seq_len: int, g
                     continue
                 layout = replace(base, vpp=vpp, sp=sp, zero=zero)
                 for recompute in RECOMPUTE:
-                    b = _evaluate(model, batch, layout, recompute, precision, cluster, memory, world_size)
+                    b = _evaluate(model, batch, layout, recompute, precision, cluster, memory, world_size,
+                                  allowance)
                     n_budgets += 1
                     if isinstance(b, Budget):
-                        ranked.append(Candidate(layout, micro_batch, recompute, b, step_time(b, cluster)))
+                        ranked.append(Candidate(layout, micro_batch, recompute, b,
+                                                step_time(b, cluster, assumptions=assumptions)))
                         sharded_enough = recompute == "none"
                         if prune:
                             break
@@ -197,7 +215,7 @@ def search(model: ModelShape, cluster: Cluster, world_size: int, seq_len: int, g
                          f"per GPU{need}")
     ranked.sort(key=lambda c: c.step_s)
     return SearchResult(model, cluster, world_size, seq_len, global_batch, memory, ranked, len(shapes), n_fit,
-                        n_budgets)
+                        n_budgets, assumptions, allowance)
 
 
 # --------------------------------------------------------------------------------------------- why
@@ -231,7 +249,8 @@ def heat_map(result: SearchResult, rows: str = "tp", cols: str = "pp") -> dict:
     return cells
 
 
-def place(result: SearchResult, layout: Layout, micro_batch: int = 1, recompute: str | None = None):
+def place(result: SearchResult, layout: Layout, micro_batch: int = 1, recompute: str | None = None,
+          act: ActivationModel | None = None):
     """Where a given layout (a published one) ranks among the search's candidates: its 1-based rank (one
     more than the candidates faster than it) and its Candidate. ``recompute=None`` takes the first of none,
     selective, full that fits. Raises ValueError naming the bytes when it does not fit."""
@@ -239,9 +258,12 @@ def place(result: SearchResult, layout: Layout, micro_batch: int = 1, recompute:
     need = None
     for r in RECOMPUTE if recompute is None else (recompute,):
         b = budget(result.model, batch, layout, precision=result.ranked[0].budget.precision,
-                   act=ActivationModel(recompute=r), world_size=result.world_size)
-        if b.total_bytes <= result.memory:
-            c = Candidate(layout, micro_batch, r, b, step_time(b, result.cluster))
+                   act=replace(act or ActivationModel(), recompute=r), world_size=result.world_size)
+        if b.total_bytes + result.allowance <= result.memory:
+            t = step_time(b, result.cluster, assumptions=result.assumptions)
+            c = Candidate(layout, micro_batch, r, b, t)
             return 1 + sum(x.step_s < c.step_s for x in result.ranked), c
         need = b.total_bytes
-    raise ValueError(f"{layout} does not fit: {need / 1e9:.1f} GB > {result.memory / 1e9:.0f} GB per GPU")
+    raise ValueError(f"{layout} does not fit: {(need + result.allowance) / 1e9:.1f} GB > "
+                     f"{result.memory / 1e9:.0f} GB per GPU ({need / 1e9:.1f} GB budget + "
+                     f"{result.allowance / 1e9:.0f} GB framework allowance)")
