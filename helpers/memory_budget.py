@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 from helpers import layout_rules, time_model
 from helpers.model_size import (Batch, ModelShape, _attention_params, _mlp_params, _norm_params,
-                                kv_heads_per_rank, step_flops)
+                                kv_heads_per_rank, step_flops, whole_number)
 from helpers.parallel.pipeline_schedules import micro_batches_in_flight, stage_layers
 
 
@@ -38,8 +38,7 @@ class Layout:
 
     def __post_init__(self):
         for f in ("dp", "tp", "pp", "cp", "ep", "vpp"):
-            if getattr(self, f) < 1:
-                raise ValueError(f"{f} must be at least 1, got {getattr(self, f)}")
+            whole_number(f"Layout: {f}", getattr(self, f), least=1)
         if self.zero not in (0, 1, 2, 3):
             raise ValueError(f"zero must be a ZeRO stage 0, 1, 2 or 3, got {self.zero}")
         if self.sp and self.tp == 1:
@@ -73,6 +72,10 @@ class Precision:
     def __post_init__(self):
         if self.gather_bytes is None:  # the gathers carry the copy forward and backward read
             object.__setattr__(self, "gather_bytes", self.param_bytes)
+        for f in ("param_bytes", "grad_bytes", "act_bytes", "gather_bytes"):
+            whole_number(f"Precision {self.name!r}: {f}", getattr(self, f), least=1)
+        for f in ("master_bytes", "optim_bytes"):
+            whole_number(f"Precision {self.name!r}: {f}", getattr(self, f), least=0)
 
     @property
     def k(self) -> int:
@@ -117,6 +120,7 @@ class ActivationModel:
             raise ValueError(f"attention must be 'flash' or 'materialized', got {self.attention!r}")
         if self.recompute not in ("none", "selective", "full"):
             raise ValueError(f"recompute must be 'none', 'selective' or 'full', got {self.recompute!r}")
+        whole_number("ActivationModel: norm_stat_bytes", self.norm_stat_bytes, least=0)
 
 
 KORTHIKANTI = ActivationModel(dropout=True, attention="materialized", kv_expanded=False, norm_stat_bytes=0)

@@ -10,10 +10,17 @@ chapter 01 can check them against the book's GPT, against published sizes and ag
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 
 
 # --------------------------------------------------------------------------------------------- the inputs
+
+def whole_number(field: str, value, least: int) -> None:
+    """Raise ValueError naming ``field`` unless ``value`` is an integer of at least ``least``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < least:
+        raise ValueError(f"{field} must be a whole number of at least {least}, got {value!r}")
+
 
 @dataclass(frozen=True)
 class ModelShape:
@@ -39,8 +46,15 @@ class ModelShape:
 
     def __post_init__(self):
         for f in ("n_layers", "d_model", "n_heads", "n_kv_heads", "d_ff", "vocab_size"):
-            if getattr(self, f) < 1:
-                raise ValueError(f"{self.name}: {f} must be positive, got {getattr(self, f)}")
+            whole_number(f"{self.name}: {f}", getattr(self, f), least=1)
+        for f in ("n_experts", "top_k", "n_dense_layers", "learned_positions", "route_nodes"):
+            whole_number(f"{self.name}: {f}", getattr(self, f), least=0)
+        if self.n_dense_layers > self.n_layers:
+            raise ValueError(f"{self.name}: n_dense_layers={self.n_dense_layers} must be at most "
+                             f"n_layers={self.n_layers}")
+        if self.n_dense_layers and not self.n_experts:
+            raise ValueError(f"{self.name}: n_dense_layers={self.n_dense_layers} needs n_experts > 0 (a "
+                             f"dense model has only dense layers)")
         if self.d_model % self.n_heads:
             raise ValueError(f"{self.name}: n_heads={self.n_heads} must divide d_model={self.d_model}")
         if self.n_heads % self.n_kv_heads:
@@ -79,6 +93,10 @@ class Batch:
     seq_len: int
     micro_batch: int
     global_batch: int  # sequences per optimizer step, over all data-parallel ranks
+
+    def __post_init__(self):
+        for f in ("seq_len", "micro_batch", "global_batch"):
+            whole_number(f"Batch: {f}", getattr(self, f), least=1)
 
 
 # --------------------------------------------------------------------------------------------- parameters

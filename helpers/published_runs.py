@@ -10,6 +10,14 @@ their eq. 3, which includes the recomputed forward (``counts="hardware"``); Llam
 (``counts="model"``, its MFU column). A knob the source leaves unstated (micro-batch, virtual stages,
 recomputation, ZeRO stage) is taken as the layout search would set it: the fastest choice that fits, as a
 framework's user tunes it. :func:`predict` says which were chosen.
+
+Where each number was checked: Narayanan et al.'s shapes, degrees, batches, micro-batches and virtual stages
+in Megatron-LM's ``examples/sc21/run_table_1.sh``, and the first and last rows' 44 % and 52 % of 312 TFLOP/s
+(137 and 163) in the paper's text; the middle rows' TFLOP/s are read off Table 1, an image, by hand. Llama 3's
+GPUs, degrees, tokens per batch and TFLOP/s per GPU in the table of its SC'24 talk, which repeats Table 4.
+MT-NLG's shape, degrees and batch in quotations of its sections 2.2-2.4, its TFLOP/s in llm-analysis's
+reproduction of section 2.4. BLOOM's layout and batch in its launch script, its throughput on BigScience's
+page. torchtitan's rows in ``docs/performance.md`` at commit 0413364.
 """
 
 from __future__ import annotations
@@ -17,7 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from helpers import memory_budget, time_model
-from helpers.model_size import Batch, ModelShape, step_flops
+from helpers.model_size import LLAMA3_8B, LLAMA3_70B, LLAMA3_405B, Batch, ModelShape, step_flops
 
 
 def _gpt(name: str, layers: int, hidden: int, heads: int, vocab: int = 51200, seq: int = 2048,
@@ -93,7 +101,6 @@ NARAYANAN_2021 = [Run(f"GPT {p} (Megatron-LM)", _gpt(f"GPT {p}", layers, hidden,
                       tflops_per_gpu=tf, where=f"Table 1, row {p}", **_N21)
                   for p, heads, hidden, layers, tp, pp, gpus, batch, mb, vpp, tf in _ROWS]
 
-from helpers.model_size import LLAMA3_405B  # noqa: E402
 
 _L3 = dict(model=LLAMA3_405B, cluster=time_model.H100, tp=8, pp=16, citation="llama3", counts="model",
            role="fit", sp=True, note="the paper: FSDP over dp, no recomputation or vpp stated")
@@ -116,9 +123,40 @@ BLOOM = Run("BLOOM 176B", _gpt("BLOOM 176B", 70, 14336, 112, vocab=250880, posit
             note="'about 150 TFLOPs' per GPU; layout, micro-batch 2, full recomputation and bf16 with "
                  "DeepSpeed's ZeRO-1 equivalent from bigscience's train/tr11-176B-ml/tr11-176B-ml.slurm; "
                  "ALiBi")
+
+
+def model_tflops(model: ModelShape, seq_len: int, tokens_per_s: float) -> float:
+    """TFLOP/s of model FLOPs (the calculator's count: no recomputation) at ``tokens_per_s``."""
+    f = step_flops(model, Batch(seq_len, 1, 1), "none")["model"] / seq_len
+    return f * tokens_per_s / 1e12
+
+
+_LLAMA2 = "Touvron et al. 2023 (Llama 2), table 1 and the released config"
+LLAMA2_13B = ModelShape("Llama-2 13B", n_layers=40, d_model=5120, n_heads=40, n_kv_heads=40, d_ff=13824,
+                        vocab_size=32000, source=_LLAMA2)
+LLAMA2_70B = ModelShape("Llama-2 70B", n_layers=80, d_model=8192, n_heads=64, n_kv_heads=8, d_ff=28672,
+                        vocab_size=32000, source=_LLAMA2)
+_TT = dict(cluster=A100, gpus=64, tp=1, pp=1, dp=64, zero=3, vpp=1, sp=False, counts="model",
+           citation="torchtitan_performance", role="held-out", precision=memory_budget.BF16_FP32_GRADS,
+           note="torchtitan, FSDP2 over 64 A100 80GB (network not stated: Selene's assumed); tokens per "
+                "second per GPU (WPS) converted to model TFLOP/s with the calculator's own FLOP count; "
+                "'selective op' checkpointing taken as selective recomputation")
+# Left out: the Llama 2 70B row with 'selective op' checkpointing (355 tokens/s): torchtitan's op-level
+# selective checkpointing keeps less than the calculator's selective recomputation (Korthikanti et al.'s
+# attention core), whose budget for that run does not fit in 80 GB.
+_TT_ROWS = [  # model, seq_len, local batch, recomputation, tokens/s per GPU, the table's row
+    (LLAMA3_8B, 8192, 1, "selective", 2973, "Llama 3 table, 8B, selective op"),
+    (LLAMA3_70B, 8192, 1, "full", 331, "Llama 3 table, 70B, full"),
+    (LLAMA2_13B, 4096, 2, "none", 2162, "Llama 2 table, 13B, no checkpointing"),
+    (LLAMA2_13B, 4096, 2, "selective", 1904, "Llama 2 table, 13B, selective op"),
+    (LLAMA2_70B, 4096, 2, "full", 353, "Llama 2 table, 70B, full")]
+TORCHTITAN = [Run(f"torchtitan {m.name}, batch {b}, {'no' if r == 'none' else r} recomputation", model=m,
+                  seq_len=s, global_batch=64 * b, micro_batch=b, tflops_per_gpu=model_tflops(m, s, wps),
+                  where=where, recompute=r, **_TT)
+              for m, s, b, r, wps, where in _TT_ROWS]
 HELD_OUT = [Run(f"MT-NLG 530B, {g:,} GPUs", gpus=g, dp=g // 280, tflops_per_gpu=tf,
                 where=f"section 2.4 ({g // 8} DGX nodes)", **_MTNLG)
-            for g, tf in ((2240, 126), (2800, 121), (3360, 113))] + [BLOOM]
+            for g, tf in ((2240, 126), (2800, 121), (3360, 113))] + [BLOOM] + TORCHTITAN
 RUNS = NARAYANAN_2021 + LLAMA3 + HELD_OUT
 
 
@@ -213,3 +251,19 @@ def fit_ceiling(runs, cluster_of, assumptions=None, lo: float = 0.3, hi: float =
             x2 = a + g * (b - a)
             f2 = loss(x2)
     return (a + b) / 2
+
+
+def rank_in_search(run: Run, cluster=None, assumptions=None):
+    """Where ``run``'s published layout ranks in :func:`helpers.parallel.layout_search.search` for its
+    model, cluster, GPUs and batch: (rank, layouts kept, the fastest kept layout with the run's degrees and,
+    where the source states them, its micro-batch and virtual stages). The search tries micro-batches 1, 2
+    and the run's."""
+    from helpers.parallel import layout_search
+
+    result = layout_search.search(run.model, cluster or run.cluster, run.gpus, run.seq_len, run.global_batch,
+                                  precision=run.precision, memory=run.memory, assumptions=assumptions,
+                                  micro_batches=tuple(sorted({1, 2, run.micro_batch or 1})))
+    fixed = dict(dp=run.dp, tp=run.tp, pp=run.pp, cp=run.cp, ep=run.ep)
+    fixed.update({k: v for k, v in (("micro_batch", run.micro_batch), ("vpp", run.vpp)) if v})
+    rank, candidate = result.rank_of(**fixed)
+    return rank, len(result.ranked), candidate

@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from helpers.model_size import kv_heads_per_rank
+from helpers.model_size import kv_heads_per_rank, whole_number
 from helpers.parallel.collective_costs import cost_terms
 from helpers.parallel.pipeline_schedules import stage_layers
 
@@ -52,6 +52,11 @@ class Cluster:
                                  f"{getattr(self, f)}")
         if self.hbm_bw is not None and not self.hbm_bw > 0:
             raise ValueError(f"Cluster {self.name!r}: hbm_bw must be positive or None, got {self.hbm_bw}")
+        for f in ("intra_alpha", "inter_alpha"):
+            if not getattr(self, f) >= 0:
+                raise ValueError(f"Cluster {self.name!r}: {f} is a latency in seconds, at least 0, got "
+                                 f"{getattr(self, f)}")
+        whole_number(f"Cluster {self.name!r}: gpus_per_node", self.gpus_per_node, least=1)
 
 
 # The ceilings: fitted on the fitting runs of helpers.published_runs (chapter 01 refits them at build, fails
