@@ -132,7 +132,8 @@ def _mlp_params(model: ModelShape, d_ff: int) -> int:
 def kv_heads_per_rank(n_kv_heads: int, tp: int) -> int:
     """KV heads one of ``tp`` tensor-parallel ranks holds: ``n_kv_heads / tp``, or one when ``tp`` exceeds
     ``n_kv_heads`` (a multiple of it): each KV head is then replicated on the ``tp / n_kv_heads`` ranks whose
-    query heads read it, as Megatron-LM and vLLM do."""
+    query heads read it, as vLLM does (Megatron-LM copies no weights: up to core v0.15 it refuses such a
+    ``tp``; from v0.16 it all-gathers the QKV activations instead)."""
     return max(n_kv_heads // tp, 1)
 
 

@@ -10,10 +10,12 @@ and ``o_proj`` for a row-parallel one (:func:`parallelize_attention`), gate and 
 that share an input means one ``f`` for them, not three.
 
 With more ranks than KV heads (``tp`` a multiple of ``n_kv_heads``), each KV head is copied onto the
-``tp // n_kv_heads`` ranks whose query heads use it, as Megatron-LM and vLLM do, rather than refused; the
-copies' gradients are summed over those ranks by :func:`allreduce_replicated_kv_grads`. Under sequence
-parallelism (Korthikanti et al. 2022) the norms and the position embedding see only their rank's tokens, and
-:func:`allreduce_sequence_parallel_grads` sums their gradients.
+``tp // n_kv_heads`` ranks whose query heads use it, as vLLM's ``QKVParallelLinear`` does, rather than
+refused; the copies' gradients are summed over those ranks by :func:`allreduce_replicated_kv_grads`.
+(Megatron-LM copies no weights: up to core v0.15 it refuses such a ``tp``; from v0.16 it all-gathers the QKV
+activations instead.)
+Under sequence parallelism (Korthikanti et al. 2022) the norms and the position embedding see only their
+rank's tokens, and :func:`allreduce_sequence_parallel_grads` sums their gradients.
 
 :func:`shard_state` cuts a rank's tensors by the plan, :func:`unshard_state` puts the ranks' shards back
 together. Every collective is a call of :mod:`helpers.parallel.comms`, booked in the ledger.
