@@ -103,3 +103,21 @@ def test_rank_counts_and_the_nccl_skip():
     assert needed["00"] == 4 and needed["01"] == 0 and needed["10"] == 8
     assert gpu_check.skip_reason(8, "nccl", 4).startswith("needs 8 ranks, one per GPU")
     assert gpu_check.skip_reason(4, "nccl", 4) == "" and gpu_check.skip_reason(8, "gloo", 0) == ""
+
+
+def test_nccl_skips_what_the_gpus_cannot_hold(monkeypatch, capsys):
+    # four GPUs faked: chapters 10 and 13 start 8 ranks, so neither runs (nothing starts), each row saying why
+    import torch
+
+    monkeypatch.setenv("BOOK_BACKEND", "nccl")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    monkeypatch.setattr(gpu_check, "run_one", lambda *args: pytest.fail("a chapter was run"))
+    assert gpu_check.main(["10,13"]) == 0
+    out = capsys.readouterr().out
+    assert "gpu-check: BOOK_BACKEND=nccl, 2 chapters on 4 GPUs" in out
+    for chapter in ("10", "13"):
+        row = (rf"^{chapter}\s+8, one per GPU\s+skipped: needs 8 ranks, one per GPU "
+               rf"\(NCCL refuses two ranks of one communicator on one GPU\); this machine has 4\s*$")
+        assert re.search(row, out, re.M), out
+    assert "0 passed, 0 failed, 2 skipped" in out

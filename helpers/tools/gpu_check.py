@@ -64,7 +64,7 @@ def skip_reason(ranks: int, backend: str, n_gpus: int) -> str:
 def placement(ranks: int, backend: str) -> str:
     if ranks == 0:
         return "kernel only"
-    return f"{ranks} on {ranks} GPUs" if backend == "nccl" else f"{ranks} on the CPU"
+    return f"{ranks}, one per GPU" if backend == "nccl" else f"{ranks} on the CPU"
 
 
 def run_one(chapter: str, path: str, log_dir: str) -> tuple[bool, float, str]:
@@ -130,7 +130,8 @@ def main(argv: list[str]) -> int:
     log_dir = os.path.join(ROOT, "_build", "gpu_check")
     os.makedirs(log_dir, exist_ok=True)
     where = f"{n_gpus} GPUs" if backend == "nccl" else "the CPU"
-    print(f"gpu-check: BOOK_BACKEND={backend}, {len(todo)} chapters on {where}", flush=True)
+    print(f"gpu-check: BOOK_BACKEND={backend}, {len(todo)} chapter{'' if len(todo) == 1 else 's'} on {where}",
+          flush=True)
     rows = []
     for chapter, path in todo:
         ranks = ranks_needed(path)
