@@ -32,7 +32,7 @@ REAP := $(PY) -m helpers.tools.reap --
 # no .ruff_cache behind.
 LINT := $(VENV)/bin/ruff check --no-cache --line-length 110 --select E,F,W helpers tests
 
-.PHONY: build test unit browser build-and-browser chapter torchrun bench lab sync clean venv gpu-check
+.PHONY: build test unit browser build-and-browser chapter torchrun bench lab sync clean venv
 
 venv: $(STAMP)
 
@@ -83,6 +83,7 @@ bench: $(STAMP)
 # Every chapter (CH given on the command line: those) as make chapter runs it, on BOOK_BACKEND's backend;
 # under nccl a chapter needing more ranks than there are GPUs is skipped, its reason in its row
 # (helpers/tools/gpu_check.py).
+.PHONY: gpu-check
 gpu-check: $(STAMP)
 	$(REAP) $(PY) -m helpers.tools.gpu_check $(if $(filter command line,$(origin CH)),'$(CH)')
 
