@@ -8,6 +8,8 @@
 #   make chapter CH=00 execute and check one chapter (fast feedback while reading or writing)
 #   make torchrun CH=00 NPROC=4   run a chapter's %%px cells as a script under torchrun
 #   make bench         the from-scratch code against PyTorch's, side by side, as ratios (CH=NN: one chapter's rows)
+#   make gpu-check     every chapter on BOOK_BACKEND's backend, one rank per GPU under nccl, as a table of chapter,
+#                      ranks, result and seconds (CH="03 04": those chapters)
 #   make lab           JupyterLab on the notebooks, with jupytext pairing
 #   make sync          write each notebook's .ipynb pair from its .md (and back, whichever is newer), refusing
 #                      a pair whose .md has an edit its newer .ipynb never saw
@@ -77,6 +79,13 @@ torchrun: $(STAMP)
 bench: $(STAMP)
 	$(if $(filter command line,$(origin CH)),@$(PY) -m helpers.tools.run_chapter --check '$(CH)')
 	$(REAP) $(PY) -m helpers.tools.bench $(if $(filter command line,$(origin CH)),--chapter $(CH))
+
+# Every chapter (CH given on the command line: those) as make chapter runs it, on BOOK_BACKEND's backend;
+# under nccl a chapter needing more ranks than there are GPUs is skipped, its reason in its row
+# (helpers/tools/gpu_check.py).
+.PHONY: gpu-check
+gpu-check: $(STAMP)
+	$(REAP) $(PY) -m helpers.tools.gpu_check $(if $(filter command line,$(origin CH)),'$(CH)')
 
 # The .md is the source: jupytext's newest-wins rule alone would let a stale .ipynb saved after an edit of the
 # .md (JupyterLab's autosave) overwrite that edit (helpers/tools/sync.py).

@@ -1,7 +1,11 @@
 """One setting picks the backend and the device; one function joins the process group.
 
-``BOOK_BACKEND`` is the setting: ``gloo`` (the default) puts every rank on the CPU, ``nccl`` puts rank r on
-``cuda:r % device_count``. Chapters never name a backend or a device themselves; they call :func:`device`.
+``BOOK_BACKEND`` is the setting: ``gloo`` (the default) puts every rank on the CPU, ``nccl`` puts local
+rank r (``LOCAL_RANK`` under torchrun, the engine's rank in a notebook) on ``cuda:r``. Ranks are never folded
+onto fewer GPUs: NCCL refuses two ranks of one communicator on one GPU ("Duplicate GPU detected"), so a local
+rank without a GPU of its own is refused by :func:`device` in one line, and ``make gpu-check`` skips a chapter
+that needs more ranks than there are GPUs (chapters 10, 13 and 15 start 8), saying why. Chapters never name a
+backend or a device themselves; they call :func:`device`.
 
 :func:`init_process_group` works in both places a chapter's code runs:
 
@@ -49,7 +53,11 @@ def device():
     if not torch.cuda.is_available():
         raise RuntimeError("BOOK_BACKEND=nccl needs CUDA, and torch.cuda.is_available() is False here")
     local_rank = int(os.environ.get("LOCAL_RANK", os.environ.get("BOOK_RANK", "0")))
-    return torch.device("cuda", local_rank % torch.cuda.device_count())
+    n_gpus = torch.cuda.device_count()
+    if local_rank >= n_gpus:
+        raise ValueError(f"BOOK_BACKEND=nccl puts one rank on each GPU: local rank {local_rank} has none, "
+                         f"this machine has {n_gpus} (NCCL refuses two ranks of one communicator on one GPU)")
+    return torch.device("cuda", local_rank)
 
 
 def collective_timeout() -> float:

@@ -21,6 +21,23 @@ def test_backend_setting(monkeypatch):
         book_dist.backend()
 
 
+def test_nccl_device_one_gpu_per_rank(monkeypatch):
+    # the GPUs are faked: rank r on cuda:r, and a local rank beyond the GPUs refused, never folded onto one
+    import torch
+
+    monkeypatch.setenv("BOOK_BACKEND", "nccl")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    monkeypatch.setenv("BOOK_RANK", "1")
+    assert book_dist.device() == torch.device("cuda", 1)
+    monkeypatch.setenv("LOCAL_RANK", "0")  # torchrun's local rank wins over the engine's
+    assert book_dist.device() == torch.device("cuda", 0)
+    monkeypatch.setenv("LOCAL_RANK", "2")
+    with pytest.raises(ValueError, match="local rank 2 has none, this machine has 2"):
+        book_dist.device()
+
+
 def test_collective_timeout_setting(monkeypatch):
     for bad in ("0", "-1", "abc", "nan", "inf", ""):
         monkeypatch.setenv("BOOK_COLLECTIVE_TIMEOUT", bad)

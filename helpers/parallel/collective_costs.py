@@ -183,8 +183,9 @@ def fit(samples) -> AlphaBeta:
         rows.append([steps / seconds, fraction * nbytes / seconds])  # this row, divided by its time...
     if len(rows) < 2:
         raise ValueError("fitting α and β needs at least two samples")
-    a = torch.tensor(rows, dtype=torch.float64)
-    b = torch.ones(len(rows), 1, dtype=torch.float64)  # ...must come out as 1
+    # A fit of measured times, in the notebook's kernel: on the CPU whatever device the ranks ran on.
+    a = torch.tensor(rows, dtype=torch.float64, device="cpu")
+    b = torch.ones(len(rows), 1, dtype=torch.float64, device="cpu")  # ...must come out as 1
     alpha, beta = torch.linalg.lstsq(a, b).solution.flatten().tolist()
     return AlphaBeta(alpha, beta)
 
@@ -210,6 +211,8 @@ def time_collective(run, *, repeats: int = 5, warmup: int = 1, group=None) -> fl
     import torch
     import torch.distributed as dist
 
+    from helpers import dist as book_dist
+
     def call():
         run()
         if dist.get_backend(group) == "nccl":
@@ -223,7 +226,7 @@ def time_collective(run, *, repeats: int = 5, warmup: int = 1, group=None) -> fl
         started = time.perf_counter()
         call()
         times.append(time.perf_counter() - started)
-    slowest = torch.tensor(times, dtype=torch.float64)
+    slowest = torch.tensor(times, dtype=torch.float64, device=book_dist.device())  # all-reduced there
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
     return statistics.median(slowest.tolist())
 

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 from helpers import layout_rules
+from helpers.dist import device
 from helpers.parallel import comms
 from helpers.parallel.data_parallel import bucketed_average
 from helpers.parallel.moe import MoEConfig, MoEGPT, MoELayer
@@ -57,7 +58,7 @@ def split_sizes(counts: list[int], group=None):
     """Dispatch's split sizes (rows to each rank, rows from each) and ``from_ranks``, the rows arriving per
     (source rank, local expert): each rank tells every other how many rows go to each of its experts."""
     ep = dist.get_world_size(group)
-    per_expert = torch.tensor(counts).view(ep, -1)  # rows to (destination rank, its expert)
+    per_expert = torch.tensor(counts, device=device()).view(ep, -1)  # rows to (destination rank, its expert)
     from_ranks = comms.all_to_all(per_expert, group, label="moe_counts")
     return per_expert.sum(-1).tolist(), from_ranks.sum(-1).tolist(), from_ranks
 
@@ -65,7 +66,8 @@ def split_sizes(counts: list[int], group=None):
 def by_local_expert(from_ranks: torch.Tensor) -> torch.Tensor:
     """The order that regroups the rows that arrived (by source rank, then expert) by expert alone."""
     ep, n_local = from_ranks.shape
-    local_expert = torch.arange(n_local).repeat(ep).repeat_interleave(from_ranks.reshape(-1))
+    local_expert = torch.arange(n_local, device=from_ranks.device).repeat(ep)
+    local_expert = local_expert.repeat_interleave(from_ranks.reshape(-1))
     return torch.argsort(local_expert, stable=True)
 
 
@@ -91,7 +93,8 @@ class ExpertParallelMoE(MoELayer):
         arrived = _AllToAll.apply(rows, send, recv, self.group, "moe_dispatch")
         order = by_local_expert(from_ranks)
         out = super().compute_experts(arrived[order], from_ranks.sum(0).tolist())
-        self.dispatched = dict(send=torch.tensor(send), from_ranks=from_ranks, arrived=arrived.detach())
+        self.dispatched = dict(send=torch.tensor(send, device=rows.device), from_ranks=from_ranks,
+                               arrived=arrived.detach())
         return _AllToAll.apply(out[torch.argsort(order)], recv, send, self.group, "moe_combine")
 
     def record(self, routings) -> None:

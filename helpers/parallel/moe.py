@@ -116,7 +116,7 @@ def router_z_loss(logits: torch.Tensor) -> torch.Tensor:
 def sort_by_expert(routing: Routing) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The kept assignments as ``(token, expert, gate)``, sorted by expert (tokens in order within one)."""
     tokens, k = routing.expert.shape
-    token = torch.arange(tokens).unsqueeze(1).expand(tokens, k)[routing.kept]
+    token = torch.arange(tokens, device=routing.expert.device).unsqueeze(1).expand(tokens, k)[routing.kept]
     expert, gate = routing.expert[routing.kept], routing.gate[routing.kept]
     order = torch.argsort(expert, stable=True)
     return token[order], expert[order], gate[order]
@@ -135,9 +135,10 @@ def combine(rows: torch.Tensor, token: torch.Tensor, gate: torch.Tensor, tokens:
 class GroupedLinear(nn.Module):
     """``n`` linear layers without bias in one ``(n, out, in)`` weight, each laid out as ``nn.Linear``'s."""
 
-    def __init__(self, n: int, in_features: int, out_features: int):
+    def __init__(self, n: int, in_features: int, out_features: int, device=None):
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(n, out_features, in_features))
+        # device=None is nn.Linear's default (the CPU): the model is moved to the run's device whole
+        self.weight = nn.Parameter(torch.empty(n, out_features, in_features, device=device))
 
 
 class Experts(nn.Module):
@@ -162,7 +163,7 @@ def experts_grouped(rows: torch.Tensor, counts: list[int], experts: Experts) -> 
     if rows.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"torch._grouped_mm takes float32, bfloat16 or float16 rows, not {rows.dtype}: "
                          f"use the loop over experts (grouped=False)")
-    offs = torch.tensor(counts).cumsum(0).to(torch.int32)
+    offs = torch.tensor(counts, device=rows.device).cumsum(0).to(torch.int32)
     hidden = F.gelu(torch._grouped_mm(rows, experts.up_proj.weight.transpose(1, 2), offs=offs))
     return torch._grouped_mm(hidden, experts.down_proj.weight.transpose(1, 2), offs=offs)
 
@@ -187,7 +188,8 @@ class MoELayer(nn.Module):
         self.cfg, self.segments, self.grouped = cfg, segments, grouped
         self.router = nn.Linear(cfg.d_model, cfg.n_experts, bias=False)
         self.experts = Experts(cfg.n_experts if n_local is None else n_local, cfg.d_model, cfg.d_ff)
-        self.register_buffer("expert_bias", torch.zeros(cfg.n_experts))  # used to choose experts only
+        # used to choose experts only
+        self.register_buffer("expert_bias", torch.zeros(cfg.n_experts, device=self.router.weight.device))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         tokens = x.reshape(-1, x.shape[-1])

@@ -34,6 +34,7 @@ from torch import nn
 from torch.autograd.graph import get_gradient_edge
 
 from helpers import layout_rules
+from helpers.dist import device
 from helpers.model import GPT, GPTConfig, cross_entropy
 from helpers.parallel import comms
 from helpers.parallel.pipeline_schedules import Action, Schedule, stage_layers, validate
@@ -351,7 +352,7 @@ def torch_pipeline(schedule_cls, model: GPT, tokens, targets, m: int, *, style="
     n_chunks = v * p if style == "loop" else 2 * p
     mine = torch_stage_indices(style, rank, p, v)
     chunks = {c: pipeline_chunk(model, c, n_chunks) for c in mine}
-    stages = [PipelineStage(chunks[c], c, n_chunks, torch.device("cpu"), group=group) for c in mine]
+    stages = [PipelineStage(chunks[c], c, n_chunks, device(), group=group) for c in mine]
     schedule = schedule_cls(stages[0] if len(stages) == 1 else stages, n_microbatches=m,
                             loss_fn=cross_entropy, **schedule_kwargs)
     losses: list = []

@@ -35,6 +35,7 @@ import math
 import torch
 import torch.distributed as dist
 
+from helpers.dist import device
 from helpers.measure import LiveMemory
 from helpers.parallel import comms
 from helpers.parallel.data_parallel import build_buckets
@@ -95,7 +96,7 @@ def flat_shards(params: list[torch.Tensor], rank: int, world_size: int):
     if len(dtypes) > 1:
         raise ValueError(f"one flat buffer holds one dtype; these parameters have {', '.join(dtypes)}")
     shards = [shard_of(p.detach(), rank, world_size).reshape(-1) for p in params]
-    flat = torch.cat(shards) if shards else torch.empty(0)
+    flat = torch.cat(shards) if shards else torch.empty(0, device=device())
     views = split_views(flat, [shard_shape(p, world_size) for p in params])
     return flat, [torch.nn.Parameter(view) for view in views]
 

@@ -64,7 +64,7 @@ def quantize_tensorwise(x: torch.Tensor, dtype: torch.dtype = torch.float8_e4m3f
     tensor or a number, e.g. the maximum of every rank's ``x.abs().max()``) is used instead of the tensor's
     own, so that every rank quantizes with the same scale.
     """
-    amax = x.abs().max() if amax is None else torch.as_tensor(amax)
+    amax = x.abs().max() if amax is None else torch.as_tensor(amax, device=x.device)
     scale = amax_to_scale(amax.float(), dtype)
     return _cast(x.float() * scale, dtype), scale
 
@@ -167,7 +167,7 @@ def quantize_nvfp4(x: torch.Tensor, block: int = NVFP4_BLOCK):
     """
     e2m1, e4m3 = number_formats.E2M1, number_formats.E4M3
     fp32_max = torch.finfo(torch.float32).max
-    encode = torch.tensor(e2m1.max * e4m3.max, dtype=torch.float32) / x.abs().max().float()
+    encode = torch.tensor(e2m1.max * e4m3.max, dtype=torch.float32, device=x.device) / x.abs().max().float()
     encode = encode.clamp(max=fp32_max)
     decode = (block_amax(x, (1, block)) / e2m1.max * encode).clamp(max=e4m3.max)
     block_scale = decode.to(torch.float8_e4m3fn)  # round to nearest

@@ -36,19 +36,23 @@ VOCAB = len(ALPHABET)
 
 
 def problems(n: int, seed: int) -> torch.Tensor:
-    """``n`` pairs ``(a, b)`` of one-digit numbers, (n, 2), from a seeded generator."""
-    return torch.randint(0, 10, (n, 2), generator=torch.Generator().manual_seed(seed))
+    """``n`` pairs ``(a, b)`` of one-digit numbers, (n, 2), from a seeded generator.
+
+    On the CPU, deliberately: a CPU generator draws the same numbers whatever the backend (a CUDA generator
+    draws others), so the callers move the data to the model's device."""
+    return torch.randint(0, 10, (n, 2), generator=torch.Generator().manual_seed(seed), device="cpu")
 
 
 def all_problems() -> torch.Tensor:
     """Every pair ``(a, b)``, a and b in 0..9: (100, 2)."""
-    return torch.cartesian_prod(torch.arange(10), torch.arange(10))
+    return torch.cartesian_prod(torch.arange(10, device="cpu"), torch.arange(10, device="cpu"))  # as problems
 
 
 def prompts(ab: torch.Tensor) -> torch.Tensor:
     """The prompts ``a+b=`` as token ids, (n, 4)."""
     n = ab.shape[0]
-    return torch.stack([ab[:, 0], torch.full((n,), STOI["+"]), ab[:, 1], torch.full((n,), STOI["="])], dim=1)
+    return torch.stack([ab[:, 0], torch.full((n,), STOI["+"], device=ab.device), ab[:, 1],
+                        torch.full((n,), STOI["="], device=ab.device)], dim=1)
 
 
 def answers(ab: torch.Tensor) -> torch.Tensor:
@@ -97,12 +101,18 @@ def sample(model, prompts_: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
     return seq[:, PROMPT_LEN:]
 
 
+def _device(model) -> torch.device:
+    """Where the model's parameters are: the data drawn on the CPU goes there."""
+    return next(model.parameters()).device
+
+
 def rollout_noise(seed: int, step: int, members: range, n_prompts: int) -> torch.Tensor:
     """The uniform noise of the given responses (``members``: their indices among a prompt's responses) to
     every prompt at ``step``, (n_prompts, len(members), MAX_NEW): response ``g``'s noise comes from its own
     seed, so a rank that samples responses 2 and 3 draws exactly what one process draws for them."""
     seeds = [seed * 1_000_003 + step * 1_000 + g for g in members]
-    return torch.stack([torch.rand((n_prompts, MAX_NEW), dtype=torch.float64,
+    # on the CPU with a CPU generator, as problems(): the same noise on every backend
+    return torch.stack([torch.rand((n_prompts, MAX_NEW), dtype=torch.float64, device="cpu",
                                    generator=torch.Generator().manual_seed(s)) for s in seeds], dim=1)
 
 
@@ -110,7 +120,7 @@ def rollout_noise(seed: int, step: int, members: range, n_prompts: int) -> torch
 def expected_reward(model, ab: torch.Tensor | None = None) -> float:
     """The policy's probability of writing the right answer, averaged over the problems (by default all 100):
     the expected reward, computed exactly from the probabilities, with no sampling noise."""
-    ab = all_problems() if ab is None else ab
+    ab = (all_problems() if ab is None else ab).to(_device(model))
     right = answers(ab)
     logp = (logprobs(model, prompts(ab), right) * response_mask(right)).sum(dim=1)
     return float(logp.exp().mean())
@@ -121,7 +131,7 @@ def warm_start(model, steps: int, rows: int, lr: float, seed: int = 0) -> list[f
     targets of the prompt are -100, which the loss ignores), with the book's one training loop."""
     data = []
     for step in range(steps):
-        ab = problems(rows, seed * 1_000_003 + 500_000 + step)
+        ab = problems(rows, seed * 1_000_003 + 500_000 + step).to(_device(model))
         line = torch.cat([prompts(ab), answers(ab)], dim=1)
         targets = line[:, 1:].clone()
         targets[:, :PROMPT_LEN - 1] = -100
@@ -167,7 +177,8 @@ def rl_step(model, optimizer, algo: Algorithm, step: int, *, n_prompts: int, res
     ``group``: the data-parallel process group, or None for one process."""
     members, world_size = _members(responses_per_prompt, group)
     ab = problems(n_prompts, seed * 1_000_003 + step).repeat_interleave(len(members), dim=0)
-    noise = rollout_noise(seed, step, members, n_prompts).flatten(0, 1)
+    ab = ab.to(_device(model))
+    noise = rollout_noise(seed, step, members, n_prompts).flatten(0, 1).to(_device(model))
     p = prompts(ab)
     responses = sample(model, p, noise)
     mask = response_mask(responses)

@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from helpers import dist as book_dist
 from helpers.parallel import comms, zero
 
 # --------------------------------------------------------------------------------------------- bf16
@@ -48,7 +49,7 @@ class MasterWeightsAdamW:
         self.optimizer = torch.optim.AdamW(self.masters, **adamw)
         self.main_grad = None
         if fp32_grads:
-            self.main_grad = torch.zeros(sum(p.numel() for p in self.params))
+            self.main_grad = torch.zeros(sum(p.numel() for p in self.params), device=self.params[0].device)
             offset = 0
             for p, master in zip(self.params, self.masters):
                 master.grad = self.main_grad[offset:offset + p.numel()].view(p.shape)
@@ -97,7 +98,7 @@ def accumulated_step(model: torch.nn.Module, optimizer: MasterWeightsAdamW, micr
     world_size = dist.get_world_size(group) if data_parallel else 1
     total = 0.0
     for x, y in micro_batches:
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.autocast(_device_type(model), dtype=torch.bfloat16):
             _, loss = model(x, y)
         (loss / (len(micro_batches) * world_size)).backward()
         total += float(loss.detach()) / len(micro_batches)
@@ -122,8 +123,9 @@ class LossScaler:
     """
 
     def __init__(self, init_scale: float = 2.0 ** 16, growth_factor: float = 2.0, backoff_factor: float = 0.5,
-                 growth_interval: int = 2000, *, data_parallel: bool = False, group=None):
-        self.scale = torch.tensor(init_scale, dtype=torch.float32)
+                 growth_interval: int = 2000, *, data_parallel: bool = False, group=None, device=None):
+        device = book_dist.device() if device is None else device  # the found-inf flag is all-reduced there
+        self.scale = torch.tensor(init_scale, dtype=torch.float32, device=device)
         self.growth_factor, self.backoff_factor = growth_factor, backoff_factor
         self.growth_interval, self.data_parallel, self.group = growth_interval, data_parallel, group
         self.growth_tracker = 0
@@ -139,7 +141,7 @@ class LossScaler:
             raise RuntimeError("unscale_ was already called this step: a second call would divide by the "
                                "scale twice")
         inv_scale = self.scale.double().reciprocal().float()
-        found = torch.zeros((), dtype=torch.float32)
+        found = torch.zeros((), dtype=torch.float32, device=self.scale.device)
         for g in grads:
             if g is not None:
                 found = torch.maximum(found, (~torch.isfinite(g)).any().float())
@@ -175,9 +177,14 @@ class LossScaler:
         self.found_inf = None
 
 
+def _device_type(model: torch.nn.Module) -> str:
+    """Autocast's device type: where the model's parameters are (``cpu`` on gloo, ``cuda`` on nccl)."""
+    return next(model.parameters()).device.type
+
+
 def fp16_loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """The loss with every matmul in fp16 (CPU autocast), the parameters fp32."""
-    with torch.autocast("cpu", dtype=torch.float16):
+    """The loss with every matmul in fp16 (autocast on the model's device), the parameters fp32."""
+    with torch.autocast(_device_type(model), dtype=torch.float16):
         return model(x, y)[1]
 
 

@@ -107,7 +107,8 @@ class Format:
                 out.append(float("nan"))
             else:
                 out.append(sign * self.decode(e, m))
-        return torch.tensor(out, dtype=torch.float64)
+        # a table of the format's values from Python numbers, read in the kernel: on the CPU
+        return torch.tensor(out, dtype=torch.float64, device="cpu")
 
     def ulp(self, y: torch.Tensor) -> torch.Tensor:
         """The unit in the last place of the format in the binade of each ``|y|`` (y within range).

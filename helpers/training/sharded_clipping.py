@@ -26,6 +26,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from helpers.dist import device
 from helpers.parallel import comms, tensor_parallel, zero
 
 
@@ -41,7 +42,8 @@ def rows_counted(dim, parts, tp_rank: int):
         return 1.0
     if dim != 0:
         raise ValueError(f"replicated parts stacked along dim {dim}, not 0: {parts}")
-    return torch.cat([torch.full((n,), 1.0 if tp_rank % copies == 0 else 0.0, dtype=torch.float64)
+    return torch.cat([torch.full((n,), 1.0 if tp_rank % copies == 0 else 0.0, dtype=torch.float64,
+                                 device=device())
                       for _, n, copies in parts])
 
 
@@ -64,7 +66,8 @@ def counted(chunk, tp_group=None) -> dict[str, torch.Tensor]:
 def sum_of_squares(grads, weights) -> torch.Tensor:
     """``sum_p weight_p * sum(g_p ** 2)``, a weight per tensor or per dim-0 row: this rank's part of
     ``||g||^2``, in fp64."""
-    total = torch.zeros((), dtype=torch.float64)
+    grads = list(grads)
+    total = torch.zeros((), dtype=torch.float64, device=grads[0].device if grads else device())
     for g, w in zip(grads, weights):
         squares = g.detach().to(torch.float64).pow(2)
         if isinstance(w, torch.Tensor):

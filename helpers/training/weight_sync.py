@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from helpers import dist as book_dist
 from helpers.model import GPT, GPTConfig
 from helpers.parallel import comms, tensor_parallel
 from helpers.parallel.zero import all_gather_rows, shard_of, shard_rows
@@ -139,7 +140,7 @@ def pack(pieces: list[Piece], state: dict[str, torch.Tensor]) -> torch.Tensor:
         if p.cols is not None:
             local = local[:, p.cols[0]:p.cols[1]]
         blocks.append(local.reshape(-1))
-    return torch.cat(blocks) if blocks else torch.empty(0)
+    return torch.cat(blocks) if blocks else torch.empty(0, device=book_dist.device())
 
 
 def unpack(bucket: torch.Tensor, pieces: list[Piece], into: dict[str, torch.Tensor]) -> None:
@@ -154,9 +155,11 @@ def unpack(bucket: torch.Tensor, pieces: list[Piece], into: dict[str, torch.Tens
         raise ValueError(f"a bucket of {bucket.numel()} elements for pieces of {at}")
 
 
-def empty_shards(cfg: GPTConfig, tp: int, dtype=torch.float32) -> dict[str, torch.Tensor]:
-    """An inference rank's tensors, filled with NaN: anything the synchronisation misses shows."""
-    return {name: torch.full(shape, float("nan"), dtype=dtype)
+def empty_shards(cfg: GPTConfig, tp: int, dtype=torch.float32, device=None) -> dict[str, torch.Tensor]:
+    """An inference rank's tensors, filled with NaN: anything the synchronisation misses shows. On the run's
+    device unless ``device`` says otherwise."""
+    device = book_dist.device() if device is None else device
+    return {name: torch.full(shape, float("nan"), dtype=dtype, device=device)
             for name, shape in target_shapes(cfg, tp).items()}
 
 
@@ -211,11 +214,11 @@ def direct_slices(pieces, trainer_group, inference_group, state=None, into=None,
         for pending in sent:
             pending.wait()
     elif i is not None:
-        dtype = next(iter(into.values())).dtype
+        dtype, device = next(iter(into.values())).dtype, next(iter(into.values())).device
         for s in range(n_trainers):
             these = pieces[(s, i)]
             if these:
-                like = torch.empty(sum(p.numel for p in these), dtype=dtype)
+                like = torch.empty(sum(p.numel for p in these), dtype=dtype, device=device)
                 unpack(comms.recv(like, trainers[s], label="sync: direct", step=step), these, into)
     return into
 
@@ -241,9 +244,9 @@ def gather_then_broadcast(cfg: GPTConfig, trainer_group, inference_group, state=
                 pending.wait()
     elif i is not None:
         sizes = [int(torch.Size(shape).numel()) for shape in shapes.values()]
-        dtype = next(iter(into.values())).dtype
-        bucket = comms.recv(torch.empty(sum(sizes), dtype=dtype), trainers[0], label="sync: broadcast",
-                            step=step)
+        dtype, device = next(iter(into.values())).dtype, next(iter(into.values())).device
+        bucket = comms.recv(torch.empty(sum(sizes), dtype=dtype, device=device), trainers[0],
+                            label="sync: broadcast", step=step)
         full = {name: w.view(shape) for (name, shape), w in zip(shapes.items(), bucket.split(sizes))}
         for name, w in tensor_parallel.shard_state(full, cfg, i, len(inference)).items():
             into[name].copy_(w)
