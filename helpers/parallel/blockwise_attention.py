@@ -93,14 +93,16 @@ class CPLayout:
             raise ValueError(f"the layout must be 'contiguous' or 'zigzag', got {self.kind!r}")
         layout_rules.context_parallel(self.cp, self.seq_len, zigzag=self.kind == "zigzag")
 
-    def positions(self, rank: int) -> torch.Tensor:
-        """The global positions rank ``rank`` holds, in the order it holds them."""
+    def positions(self, rank: int, device="cpu") -> torch.Tensor:
+        """The global positions rank ``rank`` holds, in the order it holds them, on ``device`` (the CPU when
+        only their count or values are read; the activations' device when they index or mask them)."""
         if self.kind == "contiguous":
             c = self.seq_len // self.cp
-            return torch.arange(rank * c, (rank + 1) * c)
+            return torch.arange(rank * c, (rank + 1) * c, device=device)
         c = self.seq_len // (2 * self.cp)
         late = 2 * self.cp - 1 - rank
-        return torch.cat([torch.arange(rank * c, (rank + 1) * c), torch.arange(late * c, (late + 1) * c)])
+        return torch.cat([torch.arange(rank * c, (rank + 1) * c, device=device),
+                          torch.arange(late * c, (late + 1) * c, device=device)])
 
 
 def score_blocks(layout: CPLayout, rank: int, owner: int, causal: bool):
@@ -139,7 +141,7 @@ def ring_step(q, kv, out, lse, layout: CPLayout, rank: int, owner: int, causal: 
     """One forward step: ``rank``'s queries over ``owner``'s K/V block (``kv`` = K and V stacked), the parts
     :func:`score_blocks` names, merged into ``out`` and ``lse`` in place."""
     n_rep = q.shape[1] // kv.shape[2]
-    q_pos, k_pos = layout.positions(rank), layout.positions(owner)
+    q_pos, k_pos = layout.positions(rank, q.device), layout.positions(owner, q.device)
     for rows, cols in score_blocks(layout, rank, owner, causal):
         keys, values = (expand_kv(t, n_rep) for t in kv[..., cols, :])
         block = block_attention(q[..., rows, :], keys, values, q_pos[rows], k_pos[cols], causal)
@@ -150,7 +152,7 @@ def ring_step_backward(dout, delta, q, kv, lse, dq, layout: CPLayout, rank: int,
     """One backward step: adds this block's term of ``dq`` in place, and returns ``rank``'s term of the
     gradient of ``owner``'s K/V block (dK and dV stacked)."""
     n_rep = q.shape[1] // kv.shape[2]
-    q_pos, k_pos = layout.positions(rank), layout.positions(owner)
+    q_pos, k_pos = layout.positions(rank, q.device), layout.positions(owner, q.device)
     dkv = torch.zeros_like(kv)
     for rows, cols in score_blocks(layout, rank, owner, causal):
         keys, values = (expand_kv(t, n_rep) for t in kv[..., cols, :])

@@ -112,7 +112,8 @@ class _RingAttention(torch.autograd.Function):
         """``cp`` steps: post the K/V block this rank holds to the right, attend to it (``ring_step``), wait
         for the left neighbour's. Saved: ``q``, the local ``k``, ``v``, the output and its log-sum-exp."""
         rank, world_size = dist.get_rank(group), dist.get_world_size(group)
-        out, lse = torch.zeros_like(q), torch.full(q.shape[:-1], float("-inf"), dtype=q.dtype)
+        out, lse = torch.zeros_like(q), torch.full(q.shape[:-1], float("-inf"), dtype=q.dtype,
+                                                                 device=q.device)
         kv = torch.stack([k, v])  # one message per step
         for step in range(world_size):
             incoming = RingTransfer(kv, "forward K/V", step, group) if step + 1 < world_size else None
@@ -210,7 +211,7 @@ def ulysses_attention(q, k, v, layout: CPLayout, causal: bool = True, group=None
     n_rep = q.shape[HEAD_DIM] // k.shape[HEAD_DIM]
     k, v = expand_kv(k, n_rep), expand_kv(v, n_rep)
     if causal and layout.kind != "contiguous":  # the gathered positions are not in order: mask by position
-        pos = torch.cat([layout.positions(r) for r in range(world_size)])
+        pos = torch.cat([layout.positions(r, q.device) for r in range(world_size)])
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=pos[None, :] <= pos[:, None])
     else:
         out = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
@@ -252,7 +253,7 @@ def shard_sequence(x: torch.Tensor, y: torch.Tensor, layout: CPLayout, group=Non
     if x.shape[1] != layout.seq_len or y.shape != x.shape:
         raise ValueError(f"inputs {tuple(x.shape)}, targets {tuple(y.shape)}: the layout is for "
                          f"sequences of {layout.seq_len}")
-    positions = layout.positions(dist.get_rank(group))
+    positions = layout.positions(dist.get_rank(group), x.device)
     return x[:, positions], y[:, positions], positions
 
 

@@ -59,7 +59,7 @@ class Mesh:
             raise ValueError(f"a mesh of shape {shape} holds {' * '.join(map(str, shape))} = "
                              f"{math.prod(shape)} ranks, but the world has {world_size}")
         self.shape, self.names, self.world_size = shape, names, world_size
-        self.grid = torch.arange(world_size).reshape(shape)
+        self.grid = torch.arange(world_size, device="cpu").reshape(shape)  # ranks' numbers: never on a GPU
         self._groups: dict = {}
 
     def size(self, name: str) -> int:

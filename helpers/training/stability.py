@@ -101,11 +101,11 @@ class StabilityCore(nn.Module):
     with learned gains) or soft-caps the logits at ``cap``. ``max_logit`` is measured after QK-norm and before
     the cap (the logit the weights produce), ``max_logit_seen`` after the cap (what the softmax sees)."""
 
-    def __init__(self, head_dim: int, qk_norm: bool = False, cap: float | None = None):
+    def __init__(self, head_dim: int, qk_norm: bool = False, cap: float | None = None, device=None):
         super().__init__()
         self.cap, self.max_logit, self.max_logit_seen, self.entropy = cap, None, None, None
-        self.q_norm = nn.Parameter(torch.ones(head_dim)) if qk_norm else None
-        self.k_norm = nn.Parameter(torch.ones(head_dim)) if qk_norm else None
+        self.q_norm = nn.Parameter(torch.ones(head_dim, device=device)) if qk_norm else None
+        self.k_norm = nn.Parameter(torch.ones(head_dim, device=device)) if qk_norm else None
 
     def forward(self, q, k, v):
         if self.q_norm is not None:
@@ -141,7 +141,8 @@ def stabilize(model: GPT, *, qk_norm: bool = False, attention_cap: float | None 
               z_coefficient: float = 0.0, output_cap: float | None = None) -> GPT:
     """Set ``model``'s attention cores and loss to the chapter's (in place): every fix off records only."""
     for block in model.blocks:
-        block.attn.core = StabilityCore(block.attn.head_dim, qk_norm, attention_cap)
+        device = next(block.parameters()).device  # the gains live beside the block's weights
+        block.attn.core = StabilityCore(block.attn.head_dim, qk_norm, attention_cap, device)
     model.loss_fn = StableLoss(z_coefficient, output_cap)
     return model
 

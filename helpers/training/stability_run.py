@@ -44,7 +44,7 @@ def warmup_lr(step: int, lr: float, warmup: int) -> float:
 def above(value: float, history: list[float], sigmas: float) -> bool:
     """OLMo-core's test: ``value - mean(history) > sigmas * std(history)`` (the sample std). One-sided: a
     value that falls far below the mean is not an outlier; a history without spread makes any rise one."""
-    h = torch.tensor(history, dtype=torch.float64)
+    h = torch.tensor(history, dtype=torch.float64, device="cpu")  # a few floats, read back as Python numbers
     return value - float(h.mean()) > sigmas * float(h.std())
 
 
@@ -106,7 +106,8 @@ class GuardedAdamW:
     def __init__(self, model: GPT, fixes: Fixes, record: Record):
         self.model, self.fixes, self.rec, self.t = model, fixes, record, 0
         self.names, self.params = map(list, zip(*model.named_parameters()))
-        self.count = by_layer(self.names, [torch.tensor(float(p.numel())) for p in self.params])
+        sizes = [torch.tensor(float(p.numel()), device=p.device) for p in self.params]
+        self.count = by_layer(self.names, sizes)
         self.adamw = torch.optim.AdamW(self.params, lr=fixes.lr, betas=fixes.betas, eps=fixes.eps,
                                        weight_decay=0.0, fused=True)  # one kernel for all tensors
 
