@@ -133,7 +133,7 @@ def validate(model: ModelShape, batch: Batch, layout: Layout, world_size: int | 
     L = layout
     if world_size is not None:
         layout_rules.mesh(world_size, L.dp, L.tp, L.pp, L.cp)
-    layout_rules.pipeline_parallel(L.pp * L.vpp, model.n_layers, of=model.name)
+    layout_rules.pipeline_parallel(L.pp * L.vpp, model.n_layers, of=model.name, pp=L.pp, vpp=L.vpp)
     layout_rules.context_parallel(L.cp, batch.seq_len)
     layout_rules.tensor_parallel(L.tp, model.n_heads, model.n_kv_heads, model.d_ff, model.vocab_size,
                                  seq_len=batch.seq_len // L.cp if L.sp else None, of=model.name)

@@ -230,7 +230,9 @@ def traffic(model, batch, L, P, act, dense: int, expert: int, m: int):
     if L.ep > 1 and model.n_experts:
         tokens = batch.micro_batch * s_rank // (L.tp if L.sp else 1)
         routed = tokens * model.top_k * model.d_model * P.act_bytes
-        sent["ep"], steps["ep"] = expert_parallel_traffic(routed, L.ep, model.moe_layers_in(stage), m)
+        # the stage with the most MoE layers, which need not be the longest (dense layers come first)
+        moe = max(model.moe_layers_in(s) for s in stage_layers(model.n_layers, L.pp))
+        sent["ep"], steps["ep"] = expert_parallel_traffic(routed, L.ep, moe, m)
     return sent, steps, transfers
 
 

@@ -158,13 +158,10 @@ def search(model: ModelShape, cluster: Cluster, world_size: int, seq_len: int, g
            precision: Precision = BF16, memory: float = 80e9, micro_batches=(1, 2), vpps=None,
            zeros=(0, 1, 2, 3), prune: bool = True, assumptions: Assumptions | None = None,
            allowance: float = FRAMEWORK_ALLOWANCE) -> SearchResult:
-    """Every fitting layout of ``model`` on ``world_size`` GPUs of ``cluster`` for a ``global_batch`` of
-    sequences of ``seq_len`` tokens, ranked by step time. ``vpps=None`` tries every number of virtual stages
-    the rules allow (:func:`valid_vpps`); a layout fits when its budget plus ``allowance`` (the framework's
-    own memory) is at most ``memory``. ``assumptions`` switch the time model's (``time_model.Assumptions``).
-    ``prune=False`` is the brute force: no pruning, every variant budgeted (the same best, many more
-    budgets). Raises ValueError when no layout meets the rules (naming the world size and the node) or none
-    fits (naming the smallest memory any of them needs)."""
+    """Every layout of ``model`` on ``world_size`` GPUs of ``cluster`` that fits (its budget plus
+    ``allowance`` at most ``memory``), ranked by step time. ``vpps=None`` tries every vpp the rules allow;
+    ``prune=False`` is the brute force (the same best, more budgets). Raises ValueError when no layout meets
+    the rules (naming the world size and the node) or none fits (naming the least memory one needs)."""
     if world_size < 1 or (world_size > cluster.gpus_per_node and world_size % cluster.gpus_per_node):
         raise ValueError(f"world_size={world_size} is not a whole number of {cluster.gpus_per_node}-GPU "
                          f"nodes of {cluster.name}")
