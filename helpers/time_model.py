@@ -113,7 +113,9 @@ class DPTransfer:
 
     ``behind`` is "backward" (the backward of one micro-batch: the gradients it reduces are final only once
     the micro-batch that produced them has passed), "forward" (ZeRO-3's prefetched gather before a
-    micro-batch's forward) or "" (nothing: the parameters' all-gather after the optimizer step).
+    micro-batch's forward) or "" (nothing: the parameters' all-gather after the optimizer step). A reduction
+    once per step thus hides behind the last micro-batch's backward alone, 2/3 of compute/m, on the first
+    pipeline stage, whose last backward ends the step.
     """
 
     kind: str          # "dp" or "dp (experts)": the group, for its link
@@ -281,18 +283,10 @@ def _ep_seconds(b: Budget, cluster: Cluster, node_limited: bool) -> float:
 def step_time(b: Budget, cluster: Cluster, overlap: bool = True, assumptions: Assumptions | None = None
               ) -> StepTime:
     """The alpha-beta time of one step: compute at the rate of its GEMMs' shapes, each group's traffic at
-    its link, minus what hides behind compute, plus the pipeline bubble.
-
-    Data-parallel traffic hides only behind compute that runs while it is in flight (:class:`DPTransfer`): a
-    gradient reduction behind the backward of the micro-batch whose gradients it reduces, so a reduction
-    once per step hides behind the last micro-batch's backward alone, 2/3 of compute/m (on the first pipeline
-    stage, whose last backward ends the step); ZeRO-3's gathers behind the micro-batch they serve; the
-    parameters' all-gather after the optimizer step behind nothing. ``overlap=False`` is
-    ``assumptions.dp_overlap`` off. Tensor-parallel traffic hides behind the layers' GEMMs when it is split
-    and pipelined with them (SP and ``tp_overlap``), but for one chunk in ``tp``; context-parallel traffic
-    behind the attention blocks; pipeline and expert traffic sit on the critical path. The pipeline bubble
-    adds (pp-1)/(vpp*m) of the compute (Narayanan et al. 2021).
-    """
+    its link less what hides behind compute (each overlap named in :class:`Assumptions`), plus the
+    pipeline bubble, (pp-1)/(vpp*m) of the compute (Narayanan et al. 2021). A data-parallel transfer hides
+    only behind the compute in flight with it (:class:`DPTransfer`); ``overlap=False`` is
+    ``assumptions.dp_overlap`` off."""
     from helpers.matmul_rate import compute_profile
 
     A = assumptions or DEFAULT
