@@ -144,16 +144,15 @@ def storage_bytes(t: torch.Tensor | None) -> tuple[int, int]:
 class LiveMemory:
     """The bytes a rank really holds, read from the storages alive at each sample.
 
-    It looks at the model's parameters and their gradients, the optimizer's parameters (the shards) with
-    their gradients and state, every tensor autograd saved for backward while :meth:`saving` was active
-    (a saved-tensor hook keeps a weak reference to each, so a saved tensor counts exactly as long as autograd
-    keeps it), and what ``in_flight()`` returns: the buffers of collectives still running (a prefetched
-    all-gather's output, counted as parameters). A storage reached twice, such as a weight and the transposed
-    view of it that ``F.linear`` saves, or shards that are views of one flat buffer, counts once. A saved
-    tensor whose storage was a parameter's when it was saved counts as parameters, wherever the parameter's
-    data went since; every other saved tensor is an activation. Temporaries inside a call (a collective's
-    packed copy) are not alive at any sample and are not seen. ``recording = False`` turns the samples off
-    (``make bench`` times the algorithm, not the measuring).
+    It looks at the model's parameters and their gradients, the optimizer's parameters (the shards) with their
+    gradients and state, every tensor autograd saved for backward while :meth:`saving` was active (a saved-
+    tensor hook keeps a weak reference to each, so a saved tensor counts exactly as long as autograd keeps
+    it), and what ``in_flight()`` returns: the buffers of collectives still running (a prefetched all-gather's
+    output, counted as parameters). A storage reached twice, such as a weight and the transposed view of it
+    that ``F.linear`` saves, or shards that are views of one flat buffer, counts once. A saved tensor whose
+    storage was a parameter's when it was saved counts as parameters, wherever the parameter's data went
+    since; every other saved tensor is an activation. Temporaries inside a call (a collective's packed copy)
+    are not alive at any sample and are not seen.
     """
 
     KINDS = ("parameters", "gradients", "optimizer states", "activations")
@@ -161,7 +160,7 @@ class LiveMemory:
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, in_flight=None):
         self.model, self.optimizer = model, optimizer
         self.in_flight = in_flight or list
-        self.recording = True
+        self.recording = True  # False turns the samples off: make bench times the algorithm, not the meter
         self.saved: list[tuple[weakref.ref, str]] = []
         self.events: list[tuple[tuple, dict]] = []
 
