@@ -81,6 +81,7 @@ def context_parallel(cp: int, seq_len: int, zigzag: bool = False) -> None:
 
 def ulysses(cp: int, n_heads: int, n_kv_heads: int) -> None:
     """Chapter 07: Ulysses's all-to-all gives each rank ``1/cp`` of the query heads and of the KV heads."""
+    require_positive(cp=cp)
     require_divides("cp", cp, "n_heads", n_heads, "Ulysses gives each rank whole heads")
     require_divides("cp", cp, "n_kv_heads", n_kv_heads, "Ulysses gives each rank whole heads")
 

@@ -29,3 +29,10 @@ def test_without_pp_and_vpp_the_message_is_the_product_alone():
 def test_inconsistent_pp_and_vpp_are_refused(kwargs, message):
     with pytest.raises(ValueError, match=message):
         layout_rules.pipeline_parallel(4, 8, **kwargs)
+
+
+@pytest.mark.parametrize("cp", [0, -2])
+def test_ulysses_refuses_a_degree_below_one_by_name(cp):
+    # it divided by cp before (ZeroDivisionError at cp=0)
+    with pytest.raises(ValueError, match=f"^cp must be at least 1, got {cp}$"):
+        layout_rules.ulysses(cp, 8, 8)
