@@ -196,6 +196,8 @@ def px_cells(path: str) -> list[str]:
     cells = []
     for cell in jupytext.read(path).cells:
         lines = cell.source.splitlines()
+        if lines and lines[0].strip() == "%%solution":  # an exercise's solution: the script runs it
+            lines = lines[1:]
         if cell.cell_type != "code" or not lines or not lines[0].startswith("%%px"):
             continue
         if "raises-exception" in cell.metadata.get("tags", []):
