@@ -29,6 +29,8 @@ from __future__ import annotations
 import contextlib
 import io
 import os
+import sys
+import threading
 from typing import Callable
 
 from helpers.checks import RESULTS, CheckFailed, CheckResult, _where
@@ -73,6 +75,30 @@ def verify(exercise: str, checker: Callable, *, solution, wrong: dict[str, objec
                 print(f"ok  the checker rejects '{label}': {str(err).splitlines()[0][:160]}")
                 continue
             raise CheckFailed(f"exercise {exercise!r}: the checker accepted a wrong answer ('{label}')")
+
+
+@contextlib.contextmanager
+def calls_to(*functions):
+    """Count the calls made inside the block to each of ``functions`` (Python functions, by name), whatever
+    name the caller reached them by (an alias, ``from ... import``): a profile hook matches their code.
+
+    A checker uses it to notice that the chapter's own function did the work the reader was asked to write.
+    """
+    codes = {f.__code__: f.__name__ for f in functions}
+    counts = dict.fromkeys(codes.values(), 0)
+
+    def hook(frame, event, arg):
+        if event == "call" and frame.f_code in codes:
+            counts[codes[frame.f_code]] += 1
+
+    previous = sys.getprofile()
+    sys.setprofile(hook)
+    threading.setprofile(hook)
+    try:
+        yield counts
+    finally:
+        sys.setprofile(previous)
+        threading.setprofile(None)
 
 
 def solutions_run() -> bool:
