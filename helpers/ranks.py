@@ -276,6 +276,8 @@ def start_ranks(world_size: int = 4, *, timeout_s: float | None = None, activate
     global _current
     import ipyparallel as ipp
 
+    from helpers import exercises  # noqa: F401  (registers the %%solution magic of the exercises' solutions)
+
     if world_size < 1:
         raise ValueError(f"world_size must be at least 1, got {world_size}")
     if book_dist.backend() == "nccl":

@@ -51,6 +51,8 @@ def test_exercise_solution_runs_at_build_time(tmp_path):
     assert done.returncode == 0, done.stdout[-4000:]
     html = open(tmp_path / "good" / "_build" / "html" / "mean_exercise.html").read()
     assert "dropdown" in html and "solution" in html
+    # the reader's stub, run as shipped, gets one "not yet" line, not a traceback
+    assert "not yet: `my_average` is still the stub" in html and "Traceback" not in html
     assert "the checker rejects &#39;sums without dividing&#39;" in html or \
            "the checker rejects 'sums without dividing'" in html
 

@@ -305,7 +305,8 @@ def main(argv: list[str]) -> int:
         server = None if forkserver.reachable(shared) else forkserver.start(work).wait()
         path = shared if server is None else server.path
         env = {**os.environ, "PYTHONUNBUFFERED": "1", forkserver.ENV: path, "BOOK_SOURCE": source,
-               "IPYTHONDIR": os.path.join(work, "ipython"), "BOOK_CELL_TIMES": os.path.join(work, "times")}
+               "IPYTHONDIR": os.path.join(work, "ipython"), "BOOK_CELL_TIMES": os.path.join(work, "times"),
+               "BOOK_SOLUTIONS": "run"}  # the exercises' %%solution cells run (helpers.exercises)
         try:
             notebooks = toc_notebooks(source)
             timeout = int((config.get("execute") or {}).get("timeout", 300))

@@ -196,6 +196,7 @@ def px_cells(path: str) -> list[str]:
     cells = []
     for cell in jupytext.read(path).cells:
         lines = cell.source.splitlines()
+        lines = lines[1:] if lines[:1] == ["%%solution"] else lines  # an exercise's solution runs too
         if cell.cell_type != "code" or not lines or not lines[0].startswith("%%px"):
             continue
         if "raises-exception" in cell.metadata.get("tags", []):

@@ -66,6 +66,7 @@ def main(argv: list[str]) -> int:
             asyncio.get_running_loop().add_signal_handler(signal.SIGINT, interrupted)
             return await super().async_start_new_kernel(**kwargs)
 
+    os.environ["BOOK_SOLUTIONS"] = "run"  # the kernel runs the exercises' %%solution cells (exercises.py)
     client = Client(nb, timeout=timeout, kernel_name="python3",
                     resources={"metadata": {"path": os.path.dirname(path)}})
     signal.signal(signal.SIGINT, interrupted)
