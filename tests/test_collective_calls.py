@@ -62,14 +62,21 @@ EXCEPTIONS = {
     ("notebooks/05_tensor_parallel.md", "Copy", "all_reduce"): "chapter 05's exercise solution: f",
     ("notebooks/05_tensor_parallel.md", "Reduce", "all_reduce"): "chapter 05's exercise solution: g",
     ("notebooks/05_tensor_parallel.md", "ReduceBothWays", "all_reduce"): "chapter 05's checker: a wrong g",
-    ("notebooks/03_ddp.md", "MyDDP", "all_reduce"): "chapter 03's exercise solution: bucketed all-reduces",
+    ("notebooks/03_ddp.md", "ReferenceDDP", "all_reduce"): "chapter 03's solution: bucketed all-reduces",
     ("notebooks/03_ddp.md", "Unscaled", "all_reduce"): "chapter 03's checker: a wrong variant (sums)",
     ("notebooks/03_ddp.md", "DoubleCounted", "all_reduce"): "chapter 03's checker: a wrong variant",
-    ("notebooks/07_context_parallel.md", "my_all_to_all", "all_to_all_single"): "chapter 07's solution",
+    ("notebooks/07_context_parallel.md", "reference_all_to_all", "all_to_all_single"):
+        "chapter 07's solution",
     ("notebooks/07_context_parallel.md", "AllGather", "all_gather"): "chapter 07's checker: a wrong variant",
     ("notebooks/07_context_parallel.md", "AllGather", "all_reduce"): "chapter 07's checker: a wrong variant",
-    ("notebooks/08_moe.md", "AllToAll", "all_to_all_single"): "chapter 08's exercise solution: dispatch",
-    ("notebooks/08_moe.md", "split_sizes", "all_to_all_single"): "chapter 08's exercise solution: the counts",
+    ("notebooks/08_moe.md", "ReferenceAllToAll", "all_to_all_single"): "chapter 08's solution: dispatch",
+    ("notebooks/08_moe.md", "reference_ep_moe", "all_to_all_single"): "chapter 08's solution: the counts",
+    ("notebooks/08_moe.md", "GatherDispatch", "all_gather_single"): "chapter 08's checker: a wrong variant "
+                                                                    "(dispatch by all-gather)",
+    ("notebooks/08_moe.md", "ep_checker", "all_reduce"): "chapter 08's checker: the router's gradient summed "
+                                                         "over the ranks, to compare with one process",
+    ("helpers/exercises.py", "check", "all_gather_object"): "an exercise's verdict from every rank, gathered "
+                                                            "for the reader (Python objects, not tensors)",
     # torch's own behaviour is what is shown
     ("notebooks/09_mixed_precision.md", "<module>", "all_gather_single"):
         "probes whether the backend itself moves an fp8 tensor (comms sends its uint8 view)",
