@@ -128,8 +128,7 @@ class LossScaler:
         self.scale = torch.tensor(init_scale, dtype=torch.float32, device=device)
         self.growth_factor, self.backoff_factor = growth_factor, backoff_factor
         self.growth_interval, self.data_parallel, self.group = growth_interval, data_parallel, group
-        self.growth_tracker = 0
-        self.found_inf: torch.Tensor | None = None  # set by unscale_, cleared by update
+        self.growth_tracker, self.found_inf = 0, None  # found_inf: set by unscale_, cleared by update
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         return loss * self.scale
@@ -152,8 +151,7 @@ class LossScaler:
         return found
 
     def step(self, optimizer: torch.optim.Optimizer, grads: list[torch.Tensor]) -> bool:
-        """Unscale (if not done yet) and step the optimizer unless a gradient overflowed; whether it
-        stepped."""
+        """Unscale (if not done yet), step the optimizer unless a gradient overflowed; whether it stepped."""
         found = self.found_inf if self.found_inf is not None else self.unscale_(grads)
         if found.item():
             return False
