@@ -101,3 +101,11 @@ def test_the_run_builds_its_mesh_and_its_layout():
         run.mesh(world_size=8)
     with pytest.raises(ValueError, match=r"interleaved 1F1B needs m=3 to be a multiple of p=2"):
         ParallelDims(pp=2, schedule="interleaved", vpp=2, m=3).check()
+
+
+def test_each_mesh_dimension_has_one_name_in_the_calculator():
+    from helpers.parallel.parallel_dims import layout_dimension
+
+    want = {"pp": "pp", "dp_replicate": "dp", "dp_shard": "dp", "cp": "cp", "tp": "tp", "dp": "dp",
+            "dp_shard_cp": "dp", "dp_cp": "dp", "ep": "ep"}
+    assert {name: layout_dimension(name) for name in want} == want

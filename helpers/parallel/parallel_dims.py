@@ -9,8 +9,8 @@ micro-batches ``m``; chapter 05's sequence parallelism; chapter 04's ZeRO stage;
 and the device; chapter 07's attention core and layout, and which group averages the gradients.
 
 - Making one validates it (``__post_init__``): the choices, then every degree's rule through the one place
-  that states it: ``helpers.layout_rules`` and the calculator's :class:`helpers.memory_budget.Layout` (which
-  calls them), so an error reads the same in chapters 01, 10 and 15. :meth:`ParallelDims.check` adds the rules
+  that states it, ``helpers.layout_rules``, which the calculator's :class:`helpers.memory_budget.Layout` calls
+  too, so an error reads the same in chapters 01, 10 and 15. :meth:`ParallelDims.check` adds the rules
   that need the model and the batch (chapter 01's ``memory_budget.validate``), the world's size (the mesh's)
   and chapter 06's schedule.
 - :meth:`ParallelDims.mesh` is chapter 10's :class:`~helpers.parallel.mesh.Mesh` of the run (``make_groups()``
@@ -27,7 +27,7 @@ import torch
 
 from helpers import layout_rules, memory_budget
 from helpers.parallel import pipeline_schedules
-from helpers.parallel.mesh import MESH_ORDER, Mesh
+from helpers.parallel.mesh import FLATTENED, MESH_ORDER, Mesh
 
 SCHEDULES = {"gpipe": pipeline_schedules.gpipe, "1f1b": pipeline_schedules.one_f_one_b,
              "interleaved": pipeline_schedules.interleaved_1f1b, "zb-h1": pipeline_schedules.zb_h1}
@@ -37,6 +37,16 @@ CHOICES = {"schedule": tuple(SCHEDULES), "precision": tuple(PRECISIONS),
            "recompute": ("none", "selective", "full"), "attention": ("ring", "ulysses"),
            "cp_layout": ("zigzag", "contiguous"),
            "dp_dim": ("dp_shard_cp", "dp_shard", "dp", "dp_cp")}
+
+
+def layout_dimension(name: str) -> str:
+    """The calculator's name (chapter 01's ``Layout``) of a mesh dimension or a flattened one: every
+    data-parallel dimension (``dp_replicate``, ``dp_shard``, and those flattened with ``cp``, over which the
+    gradients are averaged) is its ``dp``; ``pp``, ``cp``, ``tp`` and ``ep`` keep their names."""
+    parts = FLATTENED.get(name, (name,))
+    if any(part.startswith("dp") for part in parts):
+        return "dp"
+    return name
 
 
 def make_schedule(name: str, pp: int, m: int, vpp: int = 1) -> pipeline_schedules.Schedule:
@@ -80,7 +90,10 @@ class ParallelDims:
         self.check_choices()
         layout_rules.require_positive(**{name: getattr(self, name) for name in MESH_ORDER}, ep=self.ep,
                                       vpp=self.vpp, m=self.m)
-        self.layout()  # the calculator's: SP needs tp > 1, vpp > 1 needs pp > 1, a ZeRO stage, ep in dp·cp
+        layout_rules.zero_stage(self.zero)
+        layout_rules.sequence_parallel(self.sequence_parallel, self.tp)
+        layout_rules.virtual_stages(self.vpp, self.pp)
+        layout_rules.experts_folded(self.ep, self.dp, self.cp)
         if (self.schedule == "interleaved") != (self.vpp > 1):
             raise ValueError(f"schedule={self.schedule!r} with vpp={self.vpp}: interleaved 1F1B runs "
                              f"vpp >= 2 chunks per rank, GPipe, 1F1B and ZB-H1 one (vpp=1)")
@@ -138,4 +151,4 @@ class ParallelDims:
         return dataclasses.replace(self, **changes)
 
 
-__all__ = ["SCHEDULES", "PRECISIONS", "CHOICES", "make_schedule", "ParallelDims"]
+__all__ = ["SCHEDULES", "PRECISIONS", "CHOICES", "layout_dimension", "make_schedule", "ParallelDims"]
