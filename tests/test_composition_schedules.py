@@ -109,3 +109,11 @@ def test_each_mesh_dimension_has_one_name_in_the_calculator():
     want = {"pp": "pp", "dp_replicate": "dp", "dp_shard": "dp", "cp": "cp", "tp": "tp", "dp": "dp",
             "dp_shard_cp": "dp", "dp_cp": "dp", "ep": "ep"}
     assert {name: layout_dimension(name) for name in want} == want
+
+
+def test_the_composition_refuses_a_mesh_of_other_degrees():
+    from helpers.parallel import composition
+    from helpers.parallel.mesh import Mesh
+
+    with pytest.raises(ValueError, match=r"the run's degrees \{'tp': 2\} are not its mesh's \{'pp': 2\}"):
+        composition.apply(GPT(CFG, seed=0), Mesh((2,), ("pp",), world_size=2), ParallelDims(tp=2))

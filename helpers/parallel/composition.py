@@ -67,10 +67,20 @@ def schedule(mesh: Mesh, run: ParallelDims) -> pipeline_schedules.Schedule:
     return make_schedule(run.schedule, mesh.size("pp"), run.m, run.vpp)
 
 
+def _same_degrees(mesh: Mesh, run: ParallelDims) -> None:
+    """A run's groups are its mesh's (``run.mesh()``): refuse a mesh of other degrees (a :class:`Plan` has
+    none of its own)."""
+    held = {name: size for name, size in zip(mesh.names, mesh.shape) if size > 1}
+    if not isinstance(run, Plan) and held != run.degrees():
+        raise ValueError(f"the run's degrees {run.degrees()} are not its mesh's {held}: build the mesh "
+                         f"from the run (run.mesh().make_groups())")
+
+
 def apply(model, mesh: Mesh, run: ParallelDims) -> dict:
     """This rank's chunks of ``model``, ``{chunk index: chunk}``: with a pipeline, the chunks its schedule
     places here (one, or ``vpp`` interleaved), each a copy; each made tensor-, context- and expert-parallel in
     place, in the order of book/conventions.md."""
+    _same_degrees(mesh, run)
     chunks = {0: model}
     if mesh.size("pp") > 1:
         s = schedule(mesh, run)
