@@ -2,8 +2,10 @@
 with what the book needs besides.
 
 torchtitan describes a job's parallelism by one dataclass, ``ParallelDims`` (``torchtitan/distributed/
-parallel_dims.py``: the degrees ``dp_replicate, dp_shard, cp, tp, pp, ep``, validated, and the device mesh
-built from them). :class:`ParallelDims` here holds the same degrees, in the mesh's order, and what the book's
+parallel_dims.py``, read at commit 0119de1: the degrees ``dp_replicate, dp_shard, cp, tp, pp, ep, etp`` and
+the world size, checked in ``__post_init__`` to multiply to it, and ``build_mesh``, which makes the device
+meshes from them). :class:`ParallelDims` here holds the same degrees (no ``etp``: the book's experts are not
+tensor-parallel), in the mesh's order, the world's size given where a mesh is made, and what the book's
 composition also needs to know about a run: chapter 06's pipeline schedule, its virtual stages ``vpp`` and the
 micro-batches ``m``; chapter 05's sequence parallelism; chapter 04's ZeRO stage; recomputation; the precision
 and the device; chapter 07's attention core and layout, and which group averages the gradients.
