@@ -187,11 +187,11 @@ def _clipped(cfg, x, y, max_norm, wrong):
 
     from helpers.model import GPT
     from helpers.parallel import composition, zero
-    from helpers.parallel.mesh import Mesh
+    from helpers.parallel.parallel_dims import ParallelDims
     from helpers.training import sharded_clipping
 
-    mesh = Mesh((2, 2, 2), ("pp", "dp_shard", "tp")).make_groups()
-    plan = composition.Plan(zero=1)
+    plan = ParallelDims(pp=2, dp_shard=2, tp=2, m=2, zero=1)
+    mesh = plan.mesh().make_groups()
     chunks = composition.apply(GPT(cfg, seed=0).double(), mesh, plan)
     chunk = composition.holder(chunks)
     optimizer = composition.optimizer(chunks, mesh, plan, lr=1e-3)
