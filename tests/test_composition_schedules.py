@@ -117,3 +117,15 @@ def test_the_composition_refuses_a_mesh_of_other_degrees():
 
     with pytest.raises(ValueError, match=r"the run's degrees \{'tp': 2\} are not its mesh's \{'pp': 2\}"):
         composition.apply(GPT(CFG, seed=0), Mesh((2,), ("pp",), world_size=2), ParallelDims(tp=2))
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(zero=2), r"zero=2: chapter 10's composition runs DDP \(zero=0\) or ZeRO-1 \(zero=1\)"),
+    (dict(recompute="full"), r"recompute='full': chapter 10's composition keeps every activation"),
+], ids=["zero-2", "recomputation"])
+def test_the_composition_refuses_what_it_does_not_run(change, message):
+    from helpers.parallel import composition
+
+    composition.check(ParallelDims())
+    with pytest.raises(ValueError, match=message):
+        composition.check(ParallelDims(**change))

@@ -154,7 +154,11 @@ def reduce_gradients(chunk, mesh: Mesh, run: ParallelDims) -> None:
 
 
 def check(run: ParallelDims) -> None:
-    """What the composition adds to a run's own rules: the data-parallel group reduces by DDP or ZeRO-1."""
+    """What the composition adds to a run's own rules: the data-parallel group reduces by DDP or ZeRO-1, and
+    every activation is kept (recomputation is the calculator's, chapter 01)."""
+    if run.recompute != "none":
+        raise ValueError(f"recompute={run.recompute!r}: chapter 10's composition keeps every activation "
+                         f"(recompute='none'); chapter 01's calculator models recomputation")
     if run.zero not in (0, 1):
         raise ValueError(f"zero={run.zero}: chapter 10's composition runs DDP (zero=0) or ZeRO-1 (zero=1); "
                          f"ZeRO-2 and -3 reduce-scatter each gradient during backward, before "
@@ -174,6 +178,7 @@ def train(model, mesh: Mesh, run: ParallelDims, data, lr: float) -> dict:
     """This rank's part of ``model``, trained with AdamW on the global batches ``data`` (one step each) by the
     book's loop. Kept for the checks: the first step's gradients (before ZeRO-1's own reduction), that step's
     traffic by mesh dimension (the ledger cleared before it), every step's loss and the parameters after."""
+    check(run)
     chunks = apply(model, mesh, run)
     opt = optimizer(chunks, mesh, run, lr)
 

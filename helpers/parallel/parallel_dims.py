@@ -81,7 +81,7 @@ class ParallelDims:
     recompute: str = "none"
     # the numbers and where they live
     precision: str = "fp64"
-    device: str = "cpu"
+    device: str | None = None  # None: each rank's own (helpers.dist.device(): the CPU, or its GPU under nccl)
     # how chapter 10 composes: chapter 07's core and layout, the gradients' averaging group, DDP's bucket
     attention: str = "ring"
     cp_layout: str = "zigzag"
@@ -120,6 +120,12 @@ class ParallelDims:
     @property
     def dtype(self) -> torch.dtype:
         return PRECISIONS[self.precision]
+
+    def rank_device(self) -> torch.device:
+        """Where this rank's tensors live: the run's ``device``, or the rank's own."""
+        from helpers import dist as book_dist
+
+        return torch.device(self.device) if self.device is not None else book_dist.device()
 
     def degrees(self) -> dict[str, int]:
         """The mesh's dimensions of more than one rank, in torchtitan's order."""

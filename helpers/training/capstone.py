@@ -30,7 +30,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from helpers import dist as book_dist
 from helpers import layout_rules, model_size
 from helpers.data import make_tokens
 from helpers.model import GPT, GPTConfig
@@ -183,7 +182,7 @@ def train(run: Run, mesh: Mesh, batches_, stage_seconds: dict | None = None) -> 
     steps, and of step :data:`MEASURED_STEP` its traffic by mesh dimension (the ledger cleared before it),
     what it held after backward by kind (from live storages; ``None`` for Muon) and its pipeline events
     (padded by ``stage_seconds``); and the seconds the other steps took, on the rank's clock."""
-    device = book_dist.device()
+    device = run.rank_device()
     chunks = composition.apply(build(run).to(device), mesh, run)
     opt = optimizer(chunks, mesh, run)
     memory = None
