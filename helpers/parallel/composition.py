@@ -25,8 +25,6 @@ group each collective ran on.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -39,18 +37,6 @@ from helpers.parallel.mesh import MESH_ORDER, Mesh
 from helpers.parallel.moe import MoEGPT
 from helpers.parallel.parallel_dims import ParallelDims, make_schedule
 from helpers.reference import named_grads, named_params, train_steps
-
-
-@dataclass(frozen=True)
-class Plan(ParallelDims):
-    """Chapter 10's older spelling of a run, a thin view of :class:`ParallelDims`: the composition's choices
-    alone (``m=2`` micro-batches unless given), the degrees read from the mesh it runs on, so only the choices
-    are checked here. A run built as a ``ParallelDims`` is the one description (its mesh ``run.mesh()``)."""
-
-    m: int = 2
-
-    def __post_init__(self):
-        self.check_choices()
 
 
 def _rank(mesh: Mesh, name: str) -> int:
@@ -68,10 +54,9 @@ def schedule(mesh: Mesh, run: ParallelDims) -> pipeline_schedules.Schedule:
 
 
 def _same_degrees(mesh: Mesh, run: ParallelDims) -> None:
-    """A run's groups are its mesh's (``run.mesh()``): refuse a mesh of other degrees (a :class:`Plan` has
-    none of its own)."""
+    """A run's groups are its mesh's (``run.mesh()``): refuse a mesh of other degrees."""
     held = {name: size for name, size in zip(mesh.names, mesh.shape) if size > 1}
-    if not isinstance(run, Plan) and held != run.degrees():
+    if held != run.degrees():
         raise ValueError(f"the run's degrees {run.degrees()} are not its mesh's {held}: build the mesh "
                          f"from the run (run.mesh().make_groups())")
 
@@ -267,6 +252,6 @@ def messages_by_dimension(mesh: Mesh, ledger=LEDGER) -> dict[tuple[str, str, int
     return out
 
 
-__all__ = ["Plan", "layout", "schedule", "apply", "holder", "my_batch", "forward_backward",
+__all__ = ["layout", "schedule", "apply", "holder", "my_batch", "forward_backward",
            "reduce_gradients", "check", "optimizer", "train", "params", "state", "messages_by_dimension",
            "assemble", "traffic_by_dimension"]
