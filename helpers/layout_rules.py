@@ -98,3 +98,26 @@ def mesh(world_size: int, dp: int, tp: int, pp: int, cp: int) -> None:
     if world_size != dp * tp * pp * cp:
         raise ValueError(f"world size {world_size} != dp*tp*pp*cp = {dp}*{tp}*{pp}*{cp} "
                          f"= {dp * tp * pp * cp}")
+
+
+def zero_stage(zero: int) -> None:
+    """Chapter 04: ZeRO's stages are 0 (none), 1 (optimizer states), 2 (and gradients), 3 (and parameters)."""
+    if zero not in (0, 1, 2, 3):
+        raise ValueError(f"zero must be a ZeRO stage 0, 1, 2 or 3, got {zero}")
+
+
+def sequence_parallel(sp: bool, tp: int) -> None:
+    """Chapter 05: sequence parallelism splits the tokens over the tensor-parallel ranks."""
+    if sp and tp == 1:
+        raise ValueError("sequence parallelism shards along the tensor-parallel group: it needs tp > 1")
+
+
+def virtual_stages(vpp: int, pp: int) -> None:
+    """Chapter 06: a rank's several chunks (interleaving) are stages of a pipeline."""
+    if vpp > 1 and pp == 1:
+        raise ValueError("virtual pipeline stages (vpp > 1) need pipeline parallelism (pp > 1)")
+
+
+def experts_folded(ep: int, dp: int, cp: int) -> None:
+    """Chapter 08: the expert-parallel ranks are folded onto the data- (and context-) parallel ones."""
+    require_divides("ep", ep, "dp*cp", dp * cp, "experts are sharded inside the data-parallel group")

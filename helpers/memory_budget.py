@@ -39,17 +39,12 @@ class Layout:
     def __post_init__(self):
         for f in ("dp", "tp", "pp", "cp", "ep", "vpp"):
             whole_number(f"Layout: {f}", getattr(self, f), least=1)
-        if self.zero not in (0, 1, 2, 3):
-            raise ValueError(f"zero must be a ZeRO stage 0, 1, 2 or 3, got {self.zero}")
-        if self.sp and self.tp == 1:
-            raise ValueError("sequence parallelism shards along the tensor-parallel group: it needs tp > 1")
-        if self.vpp > 1 and self.pp == 1:
-            raise ValueError("virtual pipeline stages (vpp > 1) need pipeline parallelism (pp > 1)")
+        layout_rules.zero_stage(self.zero)
+        layout_rules.sequence_parallel(self.sp, self.tp)
+        layout_rules.virtual_stages(self.vpp, self.pp)
         if self.schedule not in ("1f1b", "gpipe"):
             raise ValueError(f"schedule must be '1f1b' or 'gpipe', got {self.schedule!r}")
-        if (self.dp * self.cp) % self.ep:
-            raise ValueError(f"ep={self.ep} must divide dp*cp={self.dp * self.cp}: experts are sharded "
-                             f"inside the data-parallel group")
+        layout_rules.experts_folded(self.ep, self.dp, self.cp)
 
     @property
     def world_size(self) -> int:

@@ -23,14 +23,14 @@ import pytest
 from helpers.training import capstone
 
 VALID = {
-    "TP 4 x PP 2": dict(tp=4, dp=1),
-    "TP 8, no pipeline": dict(tp=8, dp=1, pp=1, m=1),
+    "TP 4 x PP 2": dict(tp=4, dp_shard=1),
+    "TP 8, no pipeline": dict(tp=8, dp_shard=1, pp=1, m=1),
     "GPipe, 4 micro-batches": dict(schedule="gpipe", m=4),
     "interleaved 1F1B": dict(schedule="interleaved", vpp=2, n_layers=4),
     "fp32": dict(precision="fp32"),
     "DDP without SP": dict(zero=0, sequence_parallel=False),
-    "Muon, TP 1": dict(optimizer="muon", tp=1, dp=4, sequence_parallel=False),
-    "data parallelism alone": dict(pp=1, tp=1, dp=8, m=1, sequence_parallel=False),
+    "Muon, TP 1": dict(optimizer="muon", tp=1, dp_shard=4, sequence_parallel=False),
+    "data parallelism alone": dict(pp=1, tp=1, dp_shard=8, m=1, sequence_parallel=False),
 }
 
 
@@ -38,8 +38,7 @@ VALID = {
 def test_a_changed_configuration_still_validates(change):
     run = capstone.Run(**change)
     capstone.validate(run, world_size=8)
-    shape, names = run.mesh_shape()
-    assert run.dp * run.tp * run.pp == 8 and len(shape) == len(names)
+    assert run.dp * run.tp * run.pp == 8 and run.mesh(world_size=8).world_size == 8
 
 
 INVALID = {  # the change, and what the error must say
@@ -48,7 +47,7 @@ INVALID = {  # the change, and what the error must say
     "micro-batches not dividing the batch": (dict(m=3), r"dp\*m=6 must divide global_batch=8"),
     "ZeRO-3 in the composition": (dict(zero=3), r"zero=3: chapter 10's composition runs DDP"),
     "Muon with tensor parallelism": (dict(optimizer="muon"), r"optimizer='muon' needs tp=1, not 2"),
-    "Muon with more owners than matrices": (dict(optimizer="muon", tp=1, pp=1, m=1, dp=8, n_layers=1,
+    "Muon with more owners than matrices": (dict(optimizer="muon", tp=1, pp=1, m=1, dp_shard=8, n_layers=1,
                                                  sequence_parallel=False),
                                             r"8 owner ranks for 6 Muon matrices"),
     "more chunks than layers": (dict(schedule="interleaved", vpp=2), r"n_chunks=4 \(pp·vpp\) must not exceed "
@@ -56,8 +55,8 @@ INVALID = {  # the change, and what the error must say
     "interleaving with too few micro-batches": (dict(schedule="interleaved", vpp=2, n_layers=4, m=1),
                                                 r"micro-batches per step \(1\) to be a multiple of pp=2"),
     "vpp without interleaving": (dict(vpp=2, n_layers=4), r"interleaved 1F1B runs vpp >= 2 chunks"),
-    "SP without TP": (dict(tp=1, dp=4), r"sequence parallelism .* needs tp > 1"),
-    "micro-batches without a pipeline": (dict(pp=1, dp=4), r"m=2 micro-batches go through a pipeline"),
+    "SP without TP": (dict(tp=1, dp_shard=4), r"sequence parallelism .* needs tp > 1"),
+    "micro-batches without a pipeline": (dict(pp=1, dp_shard=4), r"m=2 micro-batches go through a pipeline"),
     "an unknown precision": (dict(precision="bf16"), r"precision='bf16' is not one of 'fp64', 'fp32'"),
     "heads not dividing d_model": (dict(d_model=60), r"n_heads=8 must divide d_model=60"),
     "comparisons not dividing the steps": (dict(steps=95), r"every=10 must divide steps=95"),
@@ -102,9 +101,10 @@ def _shard_of_name():
 
 TRAINED = {
     "the chapter's run": dict(),
-    "TP 4 x PP 2, GPipe": dict(tp=4, dp=1, schedule="gpipe", m=4),
+    "TP 4 x PP 2, GPipe": dict(tp=4, dp_shard=1, schedule="gpipe", m=4),
+    "ZB-H1, DDP without SP": dict(schedule="zb-h1", m=4, zero=0, sequence_parallel=False),
     "interleaved 1F1B, DDP": dict(schedule="interleaved", vpp=2, n_layers=4, zero=0),
-    "Muon, PP 2 x DP 4": dict(optimizer="muon", tp=1, dp=4, sequence_parallel=False),
+    "Muon, PP 2 x DP 4": dict(optimizer="muon", tp=1, dp_shard=4, sequence_parallel=False),
 }
 
 
@@ -114,7 +114,7 @@ def _schedule_by_hand(run):
 
     if run.schedule == "interleaved":
         return ps.interleaved_1f1b(run.pp, run.m, run.vpp)
-    return {"gpipe": ps.gpipe, "1f1b": ps.one_f_one_b}[run.schedule](run.pp, run.m)
+    return {"gpipe": ps.gpipe, "1f1b": ps.one_f_one_b, "zb-h1": ps.zb_h1}[run.schedule](run.pp, run.m)
 
 
 def _check_every_copy(results, want, run):

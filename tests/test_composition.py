@@ -102,11 +102,10 @@ def test_tp_pp_and_cp_on_one_gpt_match_one_process(eight, attention, kind, seque
 def _trained(cfg, data, lr, shape=(2, 2, 2), names=("pp", "dp_shard", "tp"), zero=1, sequence_parallel=True):
     from helpers.model import GPT
     from helpers.parallel import composition
-    from helpers.parallel.mesh import Mesh
+    from helpers.parallel.parallel_dims import ParallelDims
 
-    mesh = Mesh(shape, names).make_groups()
-    plan = composition.Plan(zero=zero, sequence_parallel=sequence_parallel)
-    return composition.train(GPT(cfg, seed=0).double(), mesh, plan, data, lr)
+    run = ParallelDims(**dict(zip(names, shape)), m=2, zero=zero, sequence_parallel=sequence_parallel)
+    return composition.train(GPT(cfg, seed=0).double(), run.mesh().make_groups(), run, data, lr)
 
 
 def test_composition_train_on_pp_dp_tp_with_zero1_and_sp_matches_one_process(eight):

@@ -187,13 +187,14 @@ def _clipped(cfg, x, y, max_norm, wrong):
 
     from helpers.model import GPT
     from helpers.parallel import composition, zero
-    from helpers.parallel.mesh import Mesh
+    from helpers.parallel.parallel_dims import ParallelDims
     from helpers.training import sharded_clipping
 
-    mesh = Mesh((2, 2, 2), ("pp", "dp_shard", "tp")).make_groups()
-    plan = composition.Plan(zero=1)
-    chunk = composition.apply(GPT(cfg, seed=0).double(), mesh, plan)
-    optimizer = composition.optimizer(chunk, mesh, plan, lr=1e-3)
+    plan = ParallelDims(pp=2, dp_shard=2, tp=2, m=2, zero=1)
+    mesh = plan.mesh().make_groups()
+    chunks = composition.apply(GPT(cfg, seed=0).double(), mesh, plan)
+    chunk = composition.holder(chunks)
+    optimizer = composition.optimizer(chunks, mesh, plan, lr=1e-3)
     dp_group, tp_group, pp_group = optimizer.group, mesh.group("tp"), mesh.group("pp")
     sum_over = {"a stage left out": [dp_group, tp_group], "each rank its own norm": []}.get(
         wrong, [dp_group, tp_group, pp_group])
@@ -210,9 +211,9 @@ def _clipped(cfg, x, y, max_norm, wrong):
     optimizer.optimizer.register_step_pre_hook(  # after the clip (hooks run in order): keep what it left
         lambda *a: clipped.update({optimizer.names[p]: zero.all_gather_rows(s.grad, p.shape[0], dp_group)
                                    for p, s in zip(optimizer.params, optimizer.shards)}))
-    composition.forward_backward(chunk, mesh, plan, x, y)
+    composition.forward_backward(chunks, mesh, plan, x, y)
     optimizer.step()
-    out = composition.state(chunk, mesh, grads=False)
+    out = composition.state(chunks, mesh, grads=False)
     out.update(grads=clipped, norm=float(norms[0]), rank=dist.get_rank())
     return out
 

@@ -1,11 +1,14 @@
 """Chapters 03-08 composed on one device mesh (chapter 10): the glue, and nothing but the glue.
 
+A run is one :class:`helpers.parallel.parallel_dims.ParallelDims` (its mesh made by ``run.mesh()``).
 Every parallelism here is the chapter's own module, imported: :func:`apply` transforms the one reference GPT
-in the book's order (``pipeline_parallel.pipeline_chunk``, then ``tensor_parallel.parallelize`` and
-``context_parallel.parallelize``, then ``expert_parallel.parallelize`` on a MoE GPT), each given its group
-from the :class:`helpers.parallel.mesh.Mesh`. :func:`forward_backward` takes a global batch, keeps this rank's
-rows (its place along ``dp``) and columns (its context-parallel positions), runs chapter 06's executor on a
-1F1B schedule (or one forward and backward without pipeline), and :func:`reduce_gradients` sums or averages
+in the book's order (``pipeline_parallel.pipeline_chunk`` for each chunk the run's schedule places on this
+rank, then ``tensor_parallel.parallelize`` and ``context_parallel.parallelize``, then
+``expert_parallel.parallelize`` on a MoE GPT), each given its group from the
+:class:`helpers.parallel.mesh.Mesh`, and returns one module per chunk. :func:`forward_backward` takes a global
+batch, keeps this rank's rows (its place along ``dp``) and columns (its context-parallel positions), runs
+chapter 06's executor on the run's schedule (GPipe, 1F1B, interleaved with any ``vpp``, ZB-H1; or one
+forward and backward without pipeline), and :func:`reduce_gradients` sums or averages
 each gradient over the group that holds the other parts of it:
 
 - over ``tp``: the sequence-parallel norms' partial gradients and replicated KV heads' copies (chapter 05);
@@ -22,140 +25,173 @@ group each collective ran on.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from helpers.data import rank_rows
 from helpers.parallel import (context_parallel, data_parallel, expert_parallel, pipeline_parallel,
                               pipeline_schedules, tensor_parallel, zero)
 from helpers.parallel.ledger import LEDGER
-from helpers.parallel.mesh import Mesh
+from helpers.parallel.mesh import MESH_ORDER, Mesh
 from helpers.parallel.moe import MoEGPT
+from helpers.parallel.parallel_dims import ParallelDims, make_schedule
 from helpers.reference import named_grads, named_params, train_steps
-
-
-@dataclass(frozen=True)
-class Plan:
-    """How the chapters' modules are composed on a mesh, beyond its shape."""
-
-    m: int = 2                        # micro-batches per step, through the pipeline
-    sequence_parallel: bool = False   # chapter 05's SP inside the tensor-parallel group
-    attention: str = "ring"           # chapter 07's core: "ring" or "ulysses"
-    cp_layout: str = "zigzag"         # "zigzag" or "contiguous"
-    zero: int = 0                     # 0: DDP's bucketed all-reduce (chapter 03); 1: ZeRO-1 (chapter 04)
-    dp_dim: str = "dp_shard_cp"       # the group that averages the gradients (torchtitan's FSDP group)
-    cap_bytes: int = 1 << 16          # DDP's bucket size
 
 
 def _rank(mesh: Mesh, name: str) -> int:
     return dist.get_rank(mesh.group(name)) if mesh.size(name) > 1 else 0
 
 
-def layout(cfg, mesh: Mesh, plan: Plan) -> context_parallel.CPLayout:
+def layout(cfg, mesh: Mesh, run: ParallelDims) -> context_parallel.CPLayout:
     """Chapter 07's layout of the sequence over the ``cp`` ranks."""
-    return context_parallel.CPLayout(cfg.seq_len, mesh.size("cp"), plan.cp_layout)
+    return context_parallel.CPLayout(cfg.seq_len, mesh.size("cp"), run.cp_layout)
 
 
-def apply(model, mesh: Mesh, plan: Plan):
-    """This rank's part of ``model``: its pipeline stage's chunk (a copy), made tensor-, context- and
-    expert-parallel in place, in the order of book/conventions.md."""
-    chunk = model
+def schedule(mesh: Mesh, run: ParallelDims) -> pipeline_schedules.Schedule:
+    """Chapter 06's schedule of the run over the mesh's ``pp`` ranks: GPipe, 1F1B, interleaved or ZB-H1."""
+    return make_schedule(run.schedule, mesh.size("pp"), run.m, run.vpp)
+
+
+def _same_degrees(mesh: Mesh, run: ParallelDims) -> None:
+    """A run's groups are its mesh's (``run.mesh()``): refuse a mesh of other degrees."""
+    held = {name: size for name, size in zip(mesh.names, mesh.shape) if size > 1}
+    if held != run.degrees():
+        raise ValueError(f"the run's degrees {run.degrees()} are not its mesh's {held}: build the mesh "
+                         f"from the run (run.mesh().make_groups())")
+
+
+def apply(model, mesh: Mesh, run: ParallelDims) -> dict:
+    """This rank's chunks of ``model``, ``{chunk index: chunk}``: with a pipeline, the chunks its schedule
+    places here (one, or ``vpp`` interleaved), each a copy; each made tensor-, context- and expert-parallel in
+    place, in the order of book/conventions.md."""
+    _same_degrees(mesh, run)
+    chunks = {0: model}
     if mesh.size("pp") > 1:
-        chunk = pipeline_parallel.pipeline_chunk(model, _rank(mesh, "pp"), mesh.size("pp"))
-    if mesh.size("tp") > 1:
-        tensor_parallel.parallelize(chunk, mesh.group("tp"), plan.sequence_parallel)
-    if mesh.size("cp") > 1:
-        context_parallel.parallelize(chunk, layout(model.cfg, mesh, plan), mesh.group("cp"), plan.attention)
-    if isinstance(model, MoEGPT):
-        expert_parallel.parallelize(chunk, mesh.group(plan.dp_dim))
-    return chunk
+        s = schedule(mesh, run)
+        chunks = {c: pipeline_parallel.pipeline_chunk(model, c, s.n_chunks)
+                  for c in s.chunks_of(_rank(mesh, "pp"))}
+    for chunk in chunks.values():
+        if mesh.size("tp") > 1:
+            tensor_parallel.parallelize(chunk, mesh.group("tp"), run.sequence_parallel)
+        if mesh.size("cp") > 1:
+            context_parallel.parallelize(chunk, layout(model.cfg, mesh, run), mesh.group("cp"), run.attention)
+        if isinstance(model, MoEGPT):
+            expert_parallel.parallelize(chunk, mesh.group(run.dp_dim))
+    return chunks
 
 
-def my_batch(x: torch.Tensor, y: torch.Tensor, cfg, mesh: Mesh, plan: Plan):
+def holder(chunks: dict) -> nn.Module:
+    """One module holding a rank's chunks, for its optimizer."""
+    return next(iter(chunks.values())) if len(chunks) == 1 else nn.ModuleList(chunks.values())
+
+
+def my_batch(x: torch.Tensor, y: torch.Tensor, cfg, mesh: Mesh, run: ParallelDims):
     """This rank's rows (its index along ``dp``) and columns (its ``cp`` positions) of a global batch, and
     those positions (``None`` without context parallelism)."""
     dp = mesh.size("dp")
     xs, ys = rank_rows(x, _rank(mesh, "dp"), dp), rank_rows(y, _rank(mesh, "dp"), dp)
     if mesh.size("cp") == 1:
         return xs, ys, None
-    return context_parallel.shard_sequence(xs, ys, layout(cfg, mesh, plan), mesh.group("cp"))
+    return context_parallel.shard_sequence(xs, ys, layout(cfg, mesh, run), mesh.group("cp"))
 
 
-def forward_backward(chunk, mesh: Mesh, plan: Plan, x: torch.Tensor, y: torch.Tensor):
-    """One step's gradients on this rank, reduced over every group that shares them; the loss of this rank's
-    tokens (the mean over its micro-batches; ``None`` on a pipeline stage before the last)."""
-    cfg = chunk.cfg
-    xs, ys, positions = my_batch(x, y, cfg, mesh, plan)
+def forward_backward(chunks: dict, mesh: Mesh, run: ParallelDims, x: torch.Tensor, y: torch.Tensor,
+                     stage_seconds: dict | None = None, measured: bool = False):
+    """One step's gradients on this rank, reduced over every group that shares them. Returns the loss of this
+    rank's tokens (the mean over its micro-batches; ``None`` on a rank without the last chunk) and the
+    pipeline's events (chapter 06's ``run_schedule``: ``stage_seconds`` pads each action to a fixed time, and
+    only a ``measured`` step has its saved activations measured)."""
+    cfg = next(iter(chunks.values())).cfg
+    xs, ys, positions = my_batch(x, y, cfg, mesh, run)
     if mesh.size("pp") == 1:
-        loss = chunk(xs, ys, positions=positions)[1]
+        (chunk,) = chunks.values()
+        loss, events = chunk(xs, ys, positions=positions)[1], []
         loss.backward()
     else:
-        pp_group, stage = mesh.group("pp"), _rank(mesh, "pp")
-        s = pipeline_schedules.one_f_one_b(mesh.size("pp"), plan.m)
-        tokens = xs.shape[1] // (mesh.size("tp") if plan.sequence_parallel else 1)
-        tied = pipeline_parallel.embedding_group(s.placement, pp_group) if cfg.tie_embeddings else None
-        losses, _ = pipeline_parallel.run_schedule(
-            s, {stage: chunk}, xs, ys, group=pp_group, positions=positions, embedding_group=tied,
-            activation_shape=(xs.shape[0] // plan.m, tokens, cfg.d_model), record_saved=False)
+        s, group = schedule(mesh, run), mesh.group("pp")
+        tokens = xs.shape[1] // (mesh.size("tp") if run.sequence_parallel else 1)  # this rank's, sent on
+        tied = pipeline_parallel.embedding_group(s.placement, group) if cfg.tie_embeddings else None
+        losses, events = pipeline_parallel.run_schedule(
+            s, chunks, xs, ys, group=group, positions=positions, embedding_group=tied,
+            activation_shape=(xs.shape[0] // run.m, tokens, cfg.d_model), stage_seconds=stage_seconds,
+            record_saved=measured)
         loss = torch.stack(list(losses.values())).mean() if losses else None
-    reduce_gradients(chunk, mesh, plan)
-    return loss
+    for chunk in chunks.values():
+        reduce_gradients(chunk, mesh, run)
+    return loss, events
 
 
-def reduce_gradients(chunk, mesh: Mesh, plan: Plan) -> None:
+def reduce_gradients(chunk, mesh: Mesh, run: ParallelDims) -> None:
     """The reductions a composition needs after backward: over ``tp`` what tensor parallelism holds twice,
     then over the data-parallel group (DDP or, for ZeRO-1, nothing here: its optimizer reduce-scatters)."""
     if mesh.size("tp") > 1:
-        if plan.sequence_parallel:
+        if run.sequence_parallel:
             tensor_parallel.allreduce_sequence_parallel_grads(chunk, mesh.group("tp"))
         tensor_parallel.allreduce_replicated_kv_grads(chunk, mesh.group("tp"))
-    if mesh.size(plan.dp_dim) == 1:
+    if mesh.size(run.dp_dim) == 1:
         return
     if isinstance(chunk, MoEGPT):  # experts' gradients already summed by the all-to-all's backward
-        expert_parallel.finish_gradients(chunk, mesh.group(plan.dp_dim))
-    elif plan.zero == 0:
-        buckets = data_parallel.build_buckets(list(chunk.parameters()), plan.cap_bytes)
-        data_parallel.bucketed_average(buckets, mesh.group(plan.dp_dim))
+        expert_parallel.finish_gradients(chunk, mesh.group(run.dp_dim))
+    elif run.zero == 0:
+        buckets = data_parallel.build_buckets(list(chunk.parameters()), run.cap_bytes)
+        data_parallel.bucketed_average(buckets, mesh.group(run.dp_dim))
 
 
-def optimizer(chunk, mesh: Mesh, plan: Plan, lr: float):
-    """AdamW on this rank's parameters; with ``plan.zero == 1`` chapter 04's ZeRO-1 over the data-parallel
-    group (it reduce-scatters the gradients, steps its rows, all-gathers the parameters)."""
-    if plan.zero == 1 and mesh.size(plan.dp_dim) > 1:
-        return zero.ShardedAdamW(chunk, 1, mesh.group(plan.dp_dim), lr=lr)
-    return torch.optim.AdamW(chunk.parameters(), lr=lr)
+def check(run: ParallelDims) -> None:
+    """What the composition adds to a run's own rules: the data-parallel group reduces by DDP or ZeRO-1, and
+    every activation is kept (recomputation is the calculator's, chapter 01)."""
+    if run.recompute != "none":
+        raise ValueError(f"recompute={run.recompute!r}: chapter 10's composition keeps every activation "
+                         f"(recompute='none'); chapter 01's calculator models recomputation")
+    if run.zero not in (0, 1):
+        raise ValueError(f"zero={run.zero}: chapter 10's composition runs DDP (zero=0) or ZeRO-1 (zero=1); "
+                         f"ZeRO-2 and -3 reduce-scatter each gradient during backward, before "
+                         f"composition.reduce_gradients completes the tensor-parallel ones")
 
 
-def train(model, mesh: Mesh, plan: Plan, data, lr: float) -> dict:
+def optimizer(chunks: dict, mesh: Mesh, run: ParallelDims, lr: float):
+    """AdamW on this rank's chunks; with ``run.zero == 1`` chapter 04's ZeRO-1 over the data-parallel group
+    (it reduce-scatters the gradients, steps its rows, all-gathers the parameters)."""
+    module = holder(chunks)
+    if run.zero == 1 and mesh.size(run.dp_dim) > 1:
+        return zero.ShardedAdamW(module, 1, mesh.group(run.dp_dim), lr=lr)
+    return torch.optim.AdamW(module.parameters(), lr=lr)
+
+
+def train(model, mesh: Mesh, run: ParallelDims, data, lr: float) -> dict:
     """This rank's part of ``model``, trained with AdamW on the global batches ``data`` (one step each) by the
     book's loop. Kept for the checks: the first step's gradients (before ZeRO-1's own reduction), that step's
     traffic by mesh dimension (the ledger cleared before it), every step's loss and the parameters after."""
-    chunk = apply(model, mesh, plan)
-    opt = optimizer(chunk, mesh, plan, lr)
+    check(run)
+    chunks = apply(model, mesh, run)
+    opt = optimizer(chunks, mesh, run, lr)
 
     def step(xs, ys):
-        return forward_backward(chunk, mesh, plan, xs, ys)
+        return forward_backward(chunks, mesh, run, xs, ys)[0]
     LEDGER.clear()
     first = step(*data[0])
-    out = state(chunk, mesh)
+    out = state(chunks, mesh)
     opt.step()
     opt.zero_grad()
     out["traffic"], out["messages"] = traffic_by_dimension(mesh), messages_by_dimension(mesh)
     rest = train_steps(None, data[1:], step=step, optimizer=opt)
     out["losses"] = [None if first is None else float(first.detach())] + rest
-    out["params"] = named_params(chunk)
+    out["params"] = params(chunks)
     return out
 
 
-def state(chunk, mesh: Mesh, grads: bool = True) -> dict:
+def params(chunks: dict) -> dict[str, torch.Tensor]:
+    """This rank's parameters under the reference's names, every chunk's, on the CPU."""
+    return {name: t.cpu() for chunk in chunks.values() for name, t in named_params(chunk).items()}
+
+
+def state(chunks: dict, mesh: Mesh, grads: bool = True) -> dict:
     """What a rank hands back for the checks: where it sits, its parameters and (if any) gradients."""
     where = mesh.coordinates(dist.get_rank())
-    out = {"where": {name: where.get(name, 0) for name in ("pp", "dp_replicate", "dp_shard", "cp", "tp")},
-           "params": named_params(chunk)}
+    out = {"where": {name: where.get(name, 0) for name in MESH_ORDER}, "params": params(chunks)}
     if grads:
-        out["grads"] = named_grads(chunk)
+        out["grads"] = {name: g for chunk in chunks.values() for name, g in named_grads(chunk).items()}
     return out
 
 
@@ -216,5 +252,6 @@ def messages_by_dimension(mesh: Mesh, ledger=LEDGER) -> dict[tuple[str, str, int
     return out
 
 
-__all__ = ["Plan", "layout", "apply", "my_batch", "forward_backward", "reduce_gradients", "optimizer",
-           "train", "state", "messages_by_dimension", "assemble", "traffic_by_dimension"]
+__all__ = ["layout", "schedule", "apply", "holder", "my_batch", "forward_backward",
+           "reduce_gradients", "check", "optimizer", "train", "params", "state", "messages_by_dimension",
+           "assemble", "traffic_by_dimension"]

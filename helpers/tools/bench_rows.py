@@ -210,12 +210,14 @@ def tp(sequence_parallel: bool, **timing) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import loss_parallel
 
-    from helpers.parallel import tensor_parallel
+    from helpers.parallel import composition, tensor_parallel
+    from helpers.parallel.parallel_dims import ParallelDims
     from helpers.parallel.tensor_parallel_torch import torch_tensor_parallel
 
     cfg = GPTConfig(**TP_CFG)
     x, y = get_batch(make_tokens(), 0, TP_BATCH, cfg.seq_len)  # every rank the whole micro-batch
-    mine = tensor_parallel.parallelize(GPT(cfg, seed=0), sequence_parallel=sequence_parallel)
+    run = ParallelDims(tp=dist.get_world_size(), sequence_parallel=sequence_parallel, precision="fp32")
+    (mine,) = composition.apply(GPT(cfg, seed=0), run.mesh().make_groups(), run).values()  # tp: the world
     pytorch = torch_tensor_parallel(cfg, init_device_mesh("cpu", (dist.get_world_size(),)), sequence_parallel)
 
     def ours():
@@ -245,15 +247,16 @@ def pp(schedule: str, **timing) -> dict:
     global batch in ``PP_M`` micro-batches, the tied embedding's gradients summed."""
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B
 
-    from helpers.parallel import pipeline_parallel, pipeline_schedules
+    from helpers.parallel import composition, pipeline_parallel
+    from helpers.parallel.parallel_dims import ParallelDims
 
     p, rank = dist.get_world_size(), dist.get_rank()
     v = {"1F1B": 1, "interleaved 1F1B": PP_V}[schedule]
-    s = (pipeline_schedules.one_f_one_b(p, PP_M) if v == 1 else
-         pipeline_schedules.interleaved_1f1b(p, PP_M, v))
+    run = ParallelDims(pp=p, schedule="1f1b" if v == 1 else "interleaved", vpp=v, m=PP_M, precision="fp32")
+    s = run.pipeline_schedule()
     cfg = GPTConfig(**PP_CFG)
     x, y = get_batch(make_tokens(), 0, PP_BATCH, cfg.seq_len)
-    mine = {c: pipeline_parallel.pipeline_chunk(GPT(cfg, seed=0), c, s.n_chunks) for c in s.chunks_of(rank)}
+    mine = composition.apply(GPT(cfg, seed=0), run.mesh().make_groups(), run)  # pp: the world, in rank order
     embedding = pipeline_parallel.embedding_group(s.placement)
     indices = pipeline_parallel.torch_stage_indices("loop", rank, p, v)
     model = GPT(cfg, seed=0)

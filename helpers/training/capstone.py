@@ -1,18 +1,21 @@
 """The capstone (chapter 15): one run, configured in one place, validated before any rank starts, and trained
 by the modules of chapters 03-12, imported.
 
-- :class:`Run` is what a reader changes: the size of the book's GPT, the mesh (``pp × dp × tp``, sequence
-  parallelism), the step (global batch, ``m`` micro-batches, chapter 06's schedule and its ``vpp``), the
-  precision, the optimizer (AdamW with chapter 03's DDP or chapter 04's ZeRO-1, or chapter 12's Muon) and the
-  steps. Making one runs :func:`validate`, which raises a ``ValueError`` naming the broken constraint. The
-  constraints are the modules' own, called, not restated: the model's (``GPTConfig``), the layout's and
-  chapter 01's rules (``memory_budget.Layout`` and ``validate``, through ``helpers.layout_rules``), the
-  mesh's (``Mesh``), the schedule's and Muon's owners; the few this composition adds are stated once, here.
+- :class:`Run` is what a reader changes: the run's parallelism, one
+  :class:`~helpers.parallel.parallel_dims.ParallelDims` (the mesh ``pp × dp_shard × tp``, sequence
+  parallelism, ``m`` micro-batches, chapter 06's schedule and its ``vpp``, the ZeRO stage, the precision),
+  and what the capstone adds to it: the size of the book's GPT, the global batch, the optimizer (AdamW with
+  chapter 03's DDP or chapter 04's ZeRO-1, or chapter 12's Muon) and the steps. Making one runs
+  :func:`validate`, which raises a ``ValueError`` naming the broken constraint. The constraints are the
+  modules' own, called, not restated: the run description's (its degrees, through ``helpers.layout_rules``
+  and the calculator's ``memory_budget.Layout``), the model's (``GPTConfig``), the mesh's (``Mesh``), chapter
+  10's composition's, chapter 01's rules for the model and batch (``memory_budget.validate``), the
+  schedule's and Muon's owners; the few the capstone adds are stated once, here.
 - :func:`train` is the run on one rank: chapter 10's mesh and composition (``composition.apply``,
-  ``my_batch``, ``reduce_gradients``, ``optimizer``) with chapter 06's executor on the run's schedule, by the
-  book's one loop (``reference.train_steps``). It keeps what chapter 15 checks: every step's loss, the
-  parameters every ``every`` steps, and of one measured step the ledger's bytes by mesh dimension, the memory
-  the rank holds (chapter 04's ``LiveMemory``) and its pipeline events (chapter 06's ``Timeline``).
+  ``forward_backward``, ``optimizer``: chapter 06's executor on the run's schedule), by the book's one loop
+  (``reference.train_steps``). It keeps what chapter 15 checks: every step's loss, the parameters every
+  ``every`` steps, and of one measured step the ledger's bytes by mesh dimension, the memory the rank holds
+  (chapter 04's ``LiveMemory``) and its pipeline events (chapter 06's ``Timeline``).
 - :func:`reference_run` is the single process on the same batches, by the same loop; :func:`differences` and
   :func:`reference_shards` compare the two, in the kernel or on a rank.
 """
@@ -27,20 +30,17 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from helpers import dist as book_dist
-from helpers import layout_rules, memory_budget, model_size
+from helpers import layout_rules, model_size
 from helpers.data import make_tokens
 from helpers.model import GPT, GPTConfig
-from helpers.parallel import composition, pipeline_parallel, pipeline_schedules, tensor_parallel
+from helpers.parallel import composition, pipeline_parallel, tensor_parallel
 from helpers.parallel.ledger import LEDGER
 from helpers.parallel.mesh import MESH_ORDER, Mesh
+from helpers.parallel.parallel_dims import PRECISIONS, SCHEDULES, ParallelDims
 from helpers.measure import LiveMemory
 from helpers.reference import batches, named_params, train_steps
 from helpers.training import distributed_muon, optimizers
 
-PRECISIONS = {"fp64": torch.float64, "fp32": torch.float32}
-SCHEDULES = {"gpipe": pipeline_schedules.gpipe, "1f1b": pipeline_schedules.one_f_one_b,
-             "interleaved": pipeline_schedules.interleaved_1f1b}
 OPTIMIZERS = ("adamw", "muon")
 MEASURED_STEP = 1  # the second step: the first also creates the optimizer's state
 TOLERANCES = {"fp64": {"loss": 1e-12, "params": 1e-10}, "fp32": {"loss": 1e-6, "params": 2e-3}}
@@ -49,9 +49,17 @@ TOLERANCES = {"fp64": {"loss": 1e-12, "params": 1e-10}, "fp32": {"loss": 1e-6, "
 
 
 @dataclass(frozen=True)
-class Run:
-    """One training run of the book's GPT on a ``pp × dp × tp`` mesh, as a reader configures it."""
+class Run(ParallelDims):
+    """One training run of the book's GPT: the run's parallelism (:class:`ParallelDims`: the mesh, the
+    schedule, sequence parallelism, ZeRO, the precision), and what the capstone adds to it."""
 
+    # the capstone's defaults for the parallelism: a pp x dp x tp mesh, SP inside tp, ZeRO-1
+    pp: int = 2
+    dp_shard: int = 2
+    tp: int = 2
+    sequence_parallel: bool = True
+    m: int = 2
+    zero: int = 1
     # the model: the book's GPT (helpers.model.GPTConfig)
     n_layers: int = 2
     d_model: int = 64
@@ -59,20 +67,9 @@ class Run:
     n_kv_heads: int = 4
     d_ff: int = 256
     seq_len: int = 16
-    # the mesh, in torchtitan's order, and sequence parallelism inside tp
-    pp: int = 2
-    dp: int = 2
-    tp: int = 2
-    sequence_parallel: bool = True
-    # one step: sequences over all data-parallel ranks, micro-batches through the pipeline, its schedule
+    # one step: sequences over all data-parallel ranks; the optimizer
     global_batch: int = 8
-    m: int = 2
-    schedule: str = "1f1b"
-    vpp: int = 1
-    # precision and optimizer
-    precision: str = "fp64"
     optimizer: str = "adamw"
-    zero: int = 1
     lr: float = 1e-2
     # how long, and how often the parameters are compared
     steps: int = 100
@@ -81,45 +78,21 @@ class Run:
     def __post_init__(self):
         validate(self)
 
-    @property
-    def dtype(self) -> torch.dtype:
-        return PRECISIONS[self.precision]
-
     def model_config(self) -> GPTConfig:
         return GPTConfig(seq_len=self.seq_len, n_layers=self.n_layers, d_model=self.d_model,
                          n_heads=self.n_heads, n_kv_heads=self.n_kv_heads, d_ff=self.d_ff)
 
-    def mesh_shape(self) -> tuple[tuple[int, ...], tuple[str, ...]]:
-        """The mesh's shape and names: the dimensions of more than one rank, ``dp`` as ``dp_shard``."""
-        dims = [(n, d) for n, d in (("pp", self.pp), ("dp_shard", self.dp), ("tp", self.tp)) if d > 1]
-        return tuple(d for _, d in dims), tuple(n for n, _ in dims)
-
-    def layout(self) -> memory_budget.Layout:
-        """The run as chapter 01's calculator describes a layout."""
-        return memory_budget.Layout(dp=self.dp, tp=self.tp, pp=self.pp, vpp=self.vpp, zero=self.zero,
-                                    sp=self.sequence_parallel,
-                                    schedule="gpipe" if self.schedule == "gpipe" else "1f1b")
-
     def batch(self) -> model_size.Batch:
         return model_size.Batch(self.seq_len, self.global_batch // (self.dp * self.m), self.global_batch)
-
-    def plan(self) -> composition.Plan:
-        """Chapter 10's plan: Muon's AdamW part is ZeRO-1, so its gradients are reduced in its step too."""
-        return composition.Plan(m=self.m, sequence_parallel=self.sequence_parallel,
-                                zero=self.zero if self.optimizer == "adamw" else 1)
-
-
-def _choice(name: str, value, allowed) -> None:
-    if value not in allowed:
-        raise ValueError(f"{name}={value!r} is not one of {', '.join(map(repr, allowed))}")
 
 
 def validate(run: Run, world_size: int | None = None) -> None:
     """Raise a ValueError naming the first constraint ``run`` breaks (and, given ``world_size``, whether its
     mesh holds that many ranks). Needs no ranks."""
-    for name, allowed in (("precision", PRECISIONS), ("schedule", SCHEDULES), ("optimizer", OPTIMIZERS)):
-        _choice(name, getattr(run, name), tuple(allowed))
-    layout_rules.require_positive(steps=run.steps, every=run.every, m=run.m, global_batch=run.global_batch)
+    ParallelDims.__post_init__(run)  # the run's own: choices, degrees, the calculator's layout rules
+    if run.optimizer not in OPTIMIZERS:
+        raise ValueError(f"optimizer={run.optimizer!r} is not one of {', '.join(map(repr, OPTIMIZERS))}")
+    layout_rules.require_positive(steps=run.steps, every=run.every, global_batch=run.global_batch)
     if run.steps < 2:
         raise ValueError(f"steps={run.steps}: the run measures its step {MEASURED_STEP} (the first also "
                          f"creates the optimizer's state), so it needs at least 2")
@@ -128,24 +101,15 @@ def validate(run: Run, world_size: int | None = None) -> None:
     if not run.lr > 0:
         raise ValueError(f"lr={run.lr} must be positive")
     cfg = run.model_config()  # the model's own refusals
-    layout = run.layout()  # the layout's: SP needs tp > 1, vpp > 1 needs pp > 1, a ZeRO stage
     if world_size is not None:
-        Mesh(*run.mesh_shape(), world_size=world_size)  # the mesh's: its ranks are the world's
-    if run.zero not in (0, 1):
-        raise ValueError(f"zero={run.zero}: chapter 10's composition runs DDP (zero=0) or ZeRO-1 (zero=1); "
-                         f"ZeRO-2 and -3 reduce-scatter each gradient during backward, before "
-                         f"composition.reduce_gradients completes the tensor-parallel ones")
-    if (run.schedule == "interleaved") != (run.vpp > 1):
-        raise ValueError(f"schedule={run.schedule!r} with vpp={run.vpp}: interleaved 1F1B runs vpp >= 2 "
-                         f"chunks per rank, GPipe and 1F1B one (vpp=1)")
+        run.mesh(world_size)  # the mesh's: its ranks are the world's
+    composition.check(run)  # what chapter 10's composition adds
     if run.pp == 1 and run.m > 1:
         raise ValueError(f"m={run.m} micro-batches go through a pipeline: with pp=1 each rank runs its rows "
                          f"at once (m=1)")
     layout_rules.require_divides("dp*m", run.dp * run.m, "global_batch", run.global_batch,
                                  "each data-parallel rank cuts its rows into m micro-batches")
-    memory_budget.validate(model_size.ModelShape.from_gpt(cfg), run.batch(), layout)  # chapters 05-07's
-    if run.pp > 1:
-        schedule(run)  # chapter 06's own refusals (interleaving: m a multiple of pp)
+    run.check(model_size.ModelShape.from_gpt(cfg), run.batch())  # chapters 01 and 05-07's, chapter 06's
     if run.optimizer == "muon":
         _validate_muon(run)
 
@@ -164,13 +128,6 @@ def _validate_muon(run: Run) -> None:
             distributed_muon.assign_owners([p.shape for p in optimizers.muon_params(chunk)[0]], run.dp)
 
 
-def schedule(run: Run) -> pipeline_schedules.Schedule:
-    """Chapter 06's schedule of the run, as data."""
-    if run.schedule == "interleaved":
-        return pipeline_schedules.interleaved_1f1b(run.pp, run.m, run.vpp)
-    return SCHEDULES[run.schedule](run.pp, run.m)
-
-
 def build(run: Run) -> GPT:
     """The one reference GPT, seeded, in the run's precision."""
     return GPT(run.model_config(), seed=0).to(run.dtype)
@@ -183,29 +140,7 @@ def data(run: Run) -> list:
 
 def make_mesh(run: Run) -> Mesh:
     """The run's mesh, with every process group made (on every rank, in one order)."""
-    return Mesh(*run.mesh_shape()).make_groups()
-
-
-def _stage(mesh: Mesh) -> int:
-    return dist.get_rank(mesh.group("pp")) if mesh.size("pp") > 1 else 0
-
-
-def apply(model: GPT, mesh: Mesh, run: Run) -> dict[int, GPT]:
-    """This rank's chunks, ``{chunk index: chunk}``: chapter 10's ``composition.apply`` for one chunk per
-    rank; with interleaving, each of the rank's ``vpp`` chunks cut and made tensor-parallel the same way."""
-    if run.vpp == 1:
-        return {_stage(mesh): composition.apply(model, mesh, run.plan())}
-    chunks = {}
-    for c in schedule(run).chunks_of(_stage(mesh)):
-        chunks[c] = pipeline_parallel.pipeline_chunk(model, c, run.pp * run.vpp)
-        if run.tp > 1:
-            tensor_parallel.parallelize(chunks[c], mesh.group("tp"), run.sequence_parallel)
-    return chunks
-
-
-def _holder(chunks: dict[int, GPT]) -> nn.Module:
-    """One module holding the rank's chunks, for its optimizer."""
-    return next(iter(chunks.values())) if len(chunks) == 1 else nn.ModuleList(chunks.values())
+    return run.mesh().make_groups()
 
 
 def _muon(run: Run) -> dict:
@@ -214,14 +149,15 @@ def _muon(run: Run) -> dict:
     return dict(lr=run.lr, adjust_lr_fn="match_rms_adamw", dtype=run.dtype)
 
 
-def optimizer(module: nn.Module, mesh: Mesh, run: Run):
+def optimizer(chunks: dict[int, GPT], mesh: Mesh, run: Run):
     """AdamW by chapter 10's ``composition.optimizer`` (ZeRO-1 over the data-parallel group, or plain); Muon
     by chapter 12's ``DistributedMuon`` over it (or, on one data-parallel rank, its single-process form)."""
     if run.optimizer == "adamw":
-        return composition.optimizer(module, mesh, run.plan(), run.lr)
-    if mesh.size("dp_shard_cp") == 1:
+        return composition.optimizer(chunks, mesh, run, run.lr)
+    module = composition.holder(chunks)
+    if mesh.size(run.dp_dim) == 1:
         return reference_optimizer(module, run)
-    return distributed_muon.DistributedMuon(module, mesh.group("dp_shard_cp"), adamw=dict(lr=run.lr),
+    return distributed_muon.DistributedMuon(module, mesh.group(run.dp_dim), adamw=dict(lr=run.lr),
                                             **_muon(run))
 
 
@@ -232,33 +168,6 @@ def reference_optimizer(model: nn.Module, run: Run):
     matrices, rest = optimizers.muon_params(model)
     return optimizers.MuonWithAdamW(optimizers.Muon(matrices, **_muon(run)),
                                     torch.optim.AdamW(rest, lr=run.lr))
-
-
-def forward_backward(chunks: dict[int, GPT], mesh: Mesh, run: Run, x, y, stage_seconds=None,
-                     measured: bool = False):
-    """Chapter 10's ``composition.forward_backward`` on the run's schedule, with the events kept: this
-    rank's loss (``None`` before the last stage) and the :class:`~helpers.parallel.pipeline_timeline.Event` s
-    of its actions. ``stage_seconds`` pads each action to a fixed time (chapter 06), for a timeline that shows
-    the schedule rather than the ranks' competition for the cores; only a ``measured`` step has its saved
-    activations measured (chapter 06's ``record_saved``)."""
-    plan = run.plan()
-    if mesh.size("pp") == 1:
-        return composition.forward_backward(next(iter(chunks.values())), mesh, plan, x, y), []
-    cfg, s, group = run.model_config(), schedule(run), mesh.group("pp")
-    xs, ys, positions = composition.my_batch(x, y, cfg, mesh, plan)
-    tokens = xs.shape[1] // (run.tp if run.sequence_parallel else 1)  # between stages: this rank's positions
-    tied = pipeline_parallel.embedding_group(s.placement, group) if cfg.tie_embeddings else None
-    losses, events = pipeline_parallel.run_schedule(
-        s, chunks, xs, ys, group=group, positions=positions, embedding_group=tied,
-        activation_shape=(xs.shape[0] // run.m, tokens, cfg.d_model), stage_seconds=stage_seconds,
-        record_saved=measured)
-    for chunk in chunks.values():
-        composition.reduce_gradients(chunk, mesh, plan)
-    return (torch.stack(list(losses.values())).mean() if losses else None), events
-
-
-def _params(chunks: dict[int, GPT]) -> dict[str, torch.Tensor]:
-    return {name: t.cpu() for chunk in chunks.values() for name, t in named_params(chunk).items()}
 
 
 def _blocks(run: Run) -> list[tuple[int, int]]:
@@ -273,21 +182,20 @@ def train(run: Run, mesh: Mesh, batches_, stage_seconds: dict | None = None) -> 
     steps, and of step :data:`MEASURED_STEP` its traffic by mesh dimension (the ledger cleared before it),
     what it held after backward by kind (from live storages; ``None`` for Muon) and its pipeline events
     (padded by ``stage_seconds``); and the seconds the other steps took, on the rank's clock."""
-    device = book_dist.device()
-    chunks = apply(build(run).to(device), mesh, run)
-    module = _holder(chunks)
-    opt = optimizer(module, mesh, run)
+    device = run.rank_device()
+    chunks = composition.apply(build(run).to(device), mesh, run)
+    opt = optimizer(chunks, mesh, run)
     memory = None
     if run.optimizer == "adamw":  # ZeRO-1's own meter, or one over the plain AdamW
-        memory = getattr(opt, "memory", None) or LiveMemory(module, opt)
+        memory = getattr(opt, "memory", None) or LiveMemory(composition.holder(chunks), opt)
     coordinates = mesh.coordinates(dist.get_rank())
     out = {"rank": dist.get_rank(), "where": {name: coordinates.get(name, 0) for name in MESH_ORDER},
            "losses": [], "params": {}, "events": [], "held": None, "seconds": 0.0}
-    out["params"][0] = _params(chunks)
+    out["params"][0] = composition.params(chunks)
 
     def step(x, y, measured=False):
-        loss, events = forward_backward(chunks, mesh, run, x, y, stage_seconds if measured else None,
-                                        measured=measured)
+        loss, events = composition.forward_backward(chunks, mesh, run, x, y,
+                                                    stage_seconds if measured else None, measured=measured)
         if measured:
             out["events"] = [tuple(e) for e in events]
             out["held"] = memory.held() if memory is not None else None
@@ -306,7 +214,7 @@ def train(run: Run, mesh: Mesh, batches_, stage_seconds: dict | None = None) -> 
             out["traffic"] = composition.traffic_by_dimension(mesh)
             out["messages"] = composition.messages_by_dimension(mesh)
         if stop % run.every == 0:
-            out["params"][stop] = _params(chunks)
+            out["params"][stop] = composition.params(chunks)
     LEDGER.clear()
     return out
 
@@ -383,6 +291,6 @@ def reference_shards(full: dict, run: Run, mesh: Mesh) -> dict:
 
 
 __all__ = ["PRECISIONS", "SCHEDULES", "OPTIMIZERS", "MEASURED_STEP", "TOLERANCES", "Run", "validate",
-           "schedule", "build", "data", "make_mesh", "apply", "optimizer", "reference_optimizer",
-           "forward_backward", "train", "reference_run", "shared_reference", "losses", "assembled",
+           "build", "data", "make_mesh", "optimizer", "reference_optimizer", "train", "reference_run",
+           "shared_reference", "losses", "assembled",
            "largest_difference", "differences", "reference_shards"]
