@@ -27,8 +27,11 @@ def tensor_parallel(tp: int, n_heads: int, n_kv_heads: int, d_ff: int, vocab_siz
                     seq_len: int | None = None, of: str = "") -> None:
     """Megatron's split (chapter 05): whole heads, whole KV heads, hidden units and vocabulary rows per rank;
     with sequence parallelism (``seq_len`` given: the tokens one tensor-parallel group holds) whole tokens
-    too. With more ranks than KV heads, each KV head is copied onto ``tp / n_kv_heads`` ranks (as Megatron-LM
-    and vLLM do), so ``tp`` must then be a multiple of ``n_kv_heads``."""
+    too. With more ranks than KV heads, each KV head is copied onto ``tp / n_kv_heads`` ranks, as vLLM's
+    ``QKVParallelLinear`` does (``num_kv_head_replicas``), so ``tp`` must then be a multiple of
+    ``n_kv_heads``.
+    Megatron-LM does not copy them: up to core v0.15 it refuses (``divide(num_query_groups, world_size)``);
+    from core v0.16 each rank keeps ``1/tp`` of the fused QKV weight and all-gathers the QKV activations."""
     require_positive(tp=tp)
     require_divides("tp", tp, "n_heads", n_heads, "each rank computes whole attention heads", of)
     if n_kv_heads % tp and tp % n_kv_heads:
@@ -42,14 +45,27 @@ def tensor_parallel(tp: int, n_heads: int, n_kv_heads: int, d_ff: int, vocab_siz
                         "sequence parallelism gives each rank seq_len/tp tokens", of)
 
 
-def pipeline_parallel(n_chunks: int, n_layers: int, of: str = "") -> None:
-    """Chapter 06: every model chunk (``pp`` stages times ``vpp`` virtual stages) holds at least one layer."""
+def pipeline_parallel(n_chunks: int, n_layers: int, of: str = "", *, pp: int | None = None,
+                      vpp: int | None = None) -> None:
+    """Chapter 06: every model chunk (``pp`` stages times ``vpp`` virtual stages) holds at least one layer.
+    Given ``pp`` and ``vpp`` (their product ``n_chunks``), the error names both."""
+    if (pp is None) != (vpp is None):
+        raise ValueError(f"give both pp and vpp or neither, got pp={pp}, vpp={vpp}")
+    if pp is not None:
+        require_positive(pp=pp, vpp=vpp)
+        if pp * vpp != n_chunks:
+            raise ValueError(f"n_chunks={n_chunks} must be pp·vpp = {pp}·{vpp} = {pp * vpp}")
     if n_chunks < 1:
         raise ValueError(f"the pipeline needs at least one chunk, got n_chunks={n_chunks}")
     if n_chunks > n_layers:
         where = f" of {of}" if of else ""
+        named = ""
+        if pp is not None:
+            named = f" (pp={pp} stages of vpp={vpp} chunks each; " + (
+                f"with pp={pp}, vpp may be at most {n_layers // pp})" if pp <= n_layers
+                else "pp alone exceeds the layers)")
         raise ValueError(f"n_chunks={n_chunks} (pp·vpp) must not exceed n_layers={n_layers}{where}: "
-                         "every chunk needs a layer")
+                         f"every chunk needs a layer{named}")
 
 
 def context_parallel(cp: int, seq_len: int, zigzag: bool = False) -> None:

@@ -1,11 +1,12 @@
 """A device mesh from scratch (chapter 10): the ranks as a grid, one process group per row of each dimension.
 
 The ``world_size`` ranks are ``torch.arange(world_size).reshape(shape)``, the dimensions in torchtitan's order
-(``parallel_dims.py``: ``pp, dp_replicate, dp_shard, cp, tp``), so the last one, tensor parallelism, changes
-fastest: its ranks are neighbours, which on a real cluster means the same node and its fastest links. A
-dimension's groups are the grid's rows along it: move that dimension last and read the rows. Several
-dimensions flattened into one (``dp_shard`` and ``cp`` as torchtitan's ``dp_shard_cp``, over which it shards
-and reduces the dense parameters) are the rows of those dimensions moved last together.
+(v0.1.0's ``parallel_dims.py``: ``pp, dp_replicate, dp_shard, cp, tp``; v0.2.2 keeps the order in the
+meshes it unflattens), so the last one, tensor parallelism, changes fastest: its ranks are neighbours, which
+on a real cluster means the same node and its fastest links. A dimension's groups are the grid's rows along
+it: move that dimension last and read the rows. Several dimensions flattened into one (``dp_shard`` and ``cp``
+as torchtitan v0.1.0's ``dp_shard_cp``, v0.2.2's ``fsdp``, over which it shards and reduces the dense
+parameters) are the rows of those dimensions moved last together.
 
 :class:`Mesh` does the arithmetic without any process group (so its refusals need no ranks):
 :meth:`Mesh.rows` lists a dimension's groups as lists of global ranks, :meth:`Mesh.coordinates` says where a
@@ -27,7 +28,7 @@ MESH_ORDER = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 
 FLATTENED = {"dp_shard_cp": ("dp_shard", "cp"), "dp_cp": ("dp_replicate", "dp_shard", "cp"),
              "dp": ("dp_replicate", "dp_shard")}
-"""Combined dimensions, as torchtitan names them: each is the rows of its parts moved last together."""
+"""Combined dimensions, as torchtitan v0.1.0 names them: each is the rows of its parts moved last together."""
 
 
 class Mesh:

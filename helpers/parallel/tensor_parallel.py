@@ -22,8 +22,10 @@ this rank's slice of it is kept. The norms and the position embedding (:class:`S
 then see only their rank's tokens, and :func:`allreduce_sequence_parallel_grads` sums their gradients.
 
 With more ranks than KV heads (``tp`` a multiple of ``n_kv_heads``), each KV head is copied onto the
-``tp // n_kv_heads`` ranks whose query heads use it, as Megatron-LM and vLLM do, rather than refused; the
-copies' gradients are summed over those ranks by :func:`allreduce_replicated_kv_grads`.
+``tp // n_kv_heads`` ranks whose query heads use it, as vLLM's ``QKVParallelLinear`` does, rather than
+refused; the copies' gradients are summed over those ranks by :func:`allreduce_replicated_kv_grads`.
+(Megatron-LM copies no weights: up to core v0.15 it refuses such a ``tp``; from v0.16 it all-gathers the QKV
+activations instead.)
 
 Each layer takes its rank and ``tp`` from its process group and cuts its shard from the weights it replaces.
 :func:`shard_plan` says how each parameter of the parallel model is cut from the reference's;
