@@ -194,7 +194,8 @@ def draw_ulysses(before: list[torch.Tensor], after: list[torch.Tensor], shapes: 
         owner = sum(r * m for r, m in enumerate(maps)).float()
         count = sum(maps)
         owner[count != 1] = float("nan")  # no cell is held twice, or by no one (checked on the page)
-        ax.imshow(owner.numpy(), cmap="tab10", vmin=0, vmax=9, alpha=0.6, aspect="auto", interpolation="nearest")
+        ax.imshow(owner.numpy(), cmap="tab10", vmin=0, vmax=9, alpha=0.6, aspect="auto",
+                  interpolation="nearest")
         ax.set_xlabel("position in the sequence", fontsize=9)
         ax.set_ylabel("query head", fontsize=9)
         shape = " · ".join(str(tuple(s[which])[1:3]).replace(" ", "") for s in shapes[:1])

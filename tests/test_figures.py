@@ -1,4 +1,4 @@
-"""helpers/figures.py: its recorders see what ran, where it ran (no ranks needed: a toy layer books messages)."""
+"""helpers/figures.py: its recorders see what ran and where (no ranks needed: a toy layer books messages)."""
 
 import types
 
