@@ -186,6 +186,69 @@ def test_reaper_gives_the_command_a_temporary_folder_and_removes_it():
     assert not os.path.exists(private), f"the reaper left {private}"
 
 
+def test_the_controller_takes_its_ports_below_the_range_the_system_assigns():
+    """ipyparallel's own ports come from the range that gloo's sockets and outgoing connections draw from, and
+    its heart monitor binds its port seconds after choosing it. The book's pool lies below that range, and a
+    port some other program holds is left out of it."""
+    from helpers import ranks as book_ranks
+
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+        assigned_from = int(f.read().split()[0])
+    taken = socket.socket()
+    try:
+        first = [int(p) for p in book_ranks._controller_ports()[0].split("=")[1].split(",")]
+        taken.bind(("127.0.0.1", first[3]))
+        again = [int(p) for p in book_ranks._controller_ports()[0].split("=")[1].split(",")]
+    finally:
+        taken.close()
+    assert len(first) == book_ranks.CONTROLLER_PORTS and all(20000 <= p < assigned_from for p in first), first
+    assert first[3] not in again and all(20000 <= p < assigned_from for p in again)
+
+
+def test_a_controller_that_never_pings_its_engines_is_replaced(monkeypatch):
+    """CI's failure replayed: another socket holds the heart monitor's port, so every engine completes its
+    registration and is never pinged ("No heartbeat in the last 800 ms"). The start gives that controller up
+    after UNPINGED_BEATS beats and succeeds on a fresh one; with the port taken both times it fails, saying
+    why, within two of those waits rather than two 120 s timeouts."""
+    from helpers import ranks as book_ranks
+
+    real = book_ranks._controller_ports
+    thieves: list[socket.socket] = []
+
+    def poisoned(times: int):
+        def ports():
+            args = real()
+            if len(thieves) < times:
+                # ipyparallel draws registration, control, mux, task, iopub, then the heart's ping port
+                hb_ping = int(args[0].split("=")[1].split(",")[5])
+                thief = socket.socket()
+                thief.bind(("127.0.0.1", hb_ping))
+                thief.listen(1)
+                thieves.append(thief)
+            return args
+        return ports
+
+    try:
+        monkeypatch.setattr(book_ranks, "_controller_ports", poisoned(1))
+        started = time.monotonic()
+        ranks = start_ranks(2, timeout_s=10, activate=False)
+        try:
+            assert len(thieves) == 1
+            assert ranks.apply(_all_reduce_rank_plus_one) == [(0, 3.0), (1, 3.0)]
+        finally:
+            ranks.stop()
+        print(f"a start with one unpinged controller: {time.monotonic() - started:.1f} s")
+        thieves.pop().close()
+        monkeypatch.setattr(book_ranks, "_controller_ports", poisoned(2))
+        with pytest.raises(TimeoutError, match="registered but the controller never pinged it .* twice"):
+            start_ranks(2, timeout_s=10, activate=False)
+        assert len(thieves) == 2
+    finally:
+        for thief in thieves:
+            thief.close()
+    assert wait_until_gone() == []
+
+
 def test_bad_world_size_is_refused():
     with pytest.raises(ValueError, match="world_size must be at least 1"):
         start_ranks(0)
