@@ -1,7 +1,7 @@
 """Ranks in a notebook: N ipyparallel engines, each one rank of one ``torch.distributed`` process group.
 
 ``ranks = start_ranks(4)`` starts a controller (listening on 127.0.0.1 only, on ports below the range the
-system assigns by itself: see :func:`_controller_ports`) and four engines, joins them into
+system assigns by itself: see :mod:`helpers.controller`) and four engines, joins them into
 one process group through a rendezvous file, and makes them the target of ``%%px``. The view behind ``%%px``
 is *blocking*: a cell waits for every rank, and an exception on any rank is raised in the notebook (a
 non-blocking view would print it and carry on, and a failed check would not fail the build).
@@ -31,13 +31,9 @@ whoever ends the ranks (``stop``, a failed start, or the janitor) removes that f
 from __future__ import annotations
 
 import atexit
-import logging
 import os
-import random
-import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -47,7 +43,7 @@ import time
 from helpers import ROOT
 from helpers import dist as book_dist
 from helpers import errors as book_errors
-from helpers import forkserver
+from helpers import controller, forkserver
 
 _current: "Ranks | None" = None
 REGISTRATION_TIMEOUT_S = 60  # how long an engine waits for the controller to register it (see start_ranks)
@@ -220,108 +216,6 @@ def _kill(pids: list[int]) -> None:
             pass
 
 
-def _log_tail(run_dir: str, world_size: int) -> str:
-    """The end of the log of the first engine that did not complete its registration (of engine 0 if all
-    did)."""
-    tails = []
-    for i in range(world_size):
-        try:
-            with open(os.path.join(run_dir, f"engine-{i}.log")) as f:
-                text = f.read()
-        except OSError as e:
-            text = f"(unreadable: {e})"
-        tails.append((i, text[-600:].strip() or "(empty)", "Completed registration" in text))
-    i, tail, _ = next((t for t in tails if not t[2]), tails[0])
-    return f"engine {i}'s log ends: {tail}"
-
-
-def _wait_for_connection_file(cluster, timeout_s: float) -> None:
-    """Return once the controller has written the engines' connection file whole. Starting the controller
-    does not wait for it, and an engine that finds the file empty, half written, or missing after 10 s
-    exits: under load, 5 of 8 engines of a test once died reading it empty."""
-    import json
-
-    path = os.path.join(cluster.profile_dir, "security", f"ipcontroller-{cluster.cluster_id}-engine.json")
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            with open(path) as f:
-                json.load(f)
-            return
-        except (OSError, ValueError):
-            if cluster.controller.state != "running":
-                raise RuntimeError("the controller stopped before it wrote the engines' connection "
-                                   "file") from None
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"the controller did not write the engines' connection file within "
-                                   f"{timeout_s:.0f} s") from None
-            time.sleep(0.05)
-
-
-CONTROLLER_PORTS = 32  # more than the controller binds (20 at ipyparallel's default scheduler depth)
-UNPINGED_BEATS = 20  # missed heartbeats in a row (of 0.8 s each) after which a controller is given up
-
-
-def _controller_ports(n: int = CONTROLLER_PORTS) -> list[str]:
-    """The controller's argument giving it ``n`` free ports below the range the system assigns by itself.
-
-    ipyparallel picks each port by binding port 0 and closing it; its child processes (the heart monitor, the
-    schedulers) bind the port a moment later, and gloo's sockets and every outgoing connection draw from the
-    same range in between. In one CI run beside the unit tests the heart monitor's port went that way: every
-    engine registered and none was ever pinged. Below that range nothing takes a port unasked. Two sets of
-    ranks starting at once may still draw the same block (about 1 in 400); :func:`_wait_for_engines` sees that
-    and the start is retried. No room below the range (an unusual system setting): ipyparallel's own ports.
-    """
-    try:
-        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
-            assigned_from = int(f.read().split()[0])
-    except (OSError, ValueError, IndexError):
-        assigned_from = 49152  # IANA's dynamic range, where macOS and Windows assign from
-    low = 20000
-    blocks = (assigned_from - low) // n
-    if blocks < 2:
-        return []
-    start = low + n * random.SystemRandom().randrange(blocks)
-    free = []
-    for port in range(start, start + n):
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue  # a service of this machine has it
-        free.append(port)
-    return [f"--IPController.ports={','.join(map(str, free))}"]
-
-
-def _wait_for_engines(client, run_dir: str, world_size: int, timeout_s: float) -> str | None:
-    """Wait until ``world_size`` engines are registered: None, or why a retry on a fresh controller may work.
-
-    The controller registers an engine at its first heartbeat. An engine that completed its registration
-    but hears no ping for ``UNPINGED_BEATS`` beats in a row (its log says so) is talking to a controller whose
-    heart monitor could not bind its port: that controller will never register it.
-    """
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            client.wait_for_engines(world_size, timeout=1, interactive=False)  # no progress bar on the page
-            return None
-        except TimeoutError:
-            pass
-        for i in range(world_size):
-            try:
-                with open(os.path.join(run_dir, f"engine-{i}.log")) as f:
-                    log = f.read()
-                misses = [int(m) for m in re.findall(r"No heartbeat in the last \d+ ms \((\d+) time", log)]
-            except OSError:
-                misses = []
-            if misses and misses[-1] >= UNPINGED_BEATS:
-                return (f"engine {i} registered but the controller never pinged it ({misses[-1]} heartbeats "
-                        f"missed in a row; its heart monitor's port was taken)")
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{len(client.ids)} of {world_size} engines registered within "
-                               f"{timeout_s:.0f} s; {_log_tail(run_dir, world_size)}")
-
-
 def _join(rank: int, world_size: int, store_file: str, timeout_s: float, workdir: str, threads: int) -> int:
     """Runs on each engine: become rank ``rank`` of the process group."""
     import os
@@ -343,8 +237,6 @@ def start_ranks(world_size: int = 4, *, timeout_s: float | None = None, activate
     ``timeout_s`` is the collective timeout (default ``BOOK_COLLECTIVE_TIMEOUT``, 60 s).
     """
     global _current
-    import ipyparallel as ipp
-
     from helpers import exercises  # noqa: F401  (registers the %%solution magic of the exercises' solutions)
 
     if world_size < 1:
@@ -366,27 +258,19 @@ def start_ranks(world_size: int = 4, *, timeout_s: float | None = None, activate
     # overlap the controller's start.
     shared = os.environ.get(forkserver.ENV)
     server = None if forkserver.reachable(shared) else forkserver.start(run_dir)
-    # The cluster's own profile, not ~/.ipython: its connection files, logs and engine-state file go with
-    # run_dir.
-    # The controller registers an engine at its first heartbeat: at ipyparallel's 3 s period that is most of a
-    # start (6.0 s of waiting for two engines here, 1.2 s at 0.3 s). 100 misses keep the default's 30 s of
-    # silence before it gives an engine up.
-    heartbeat = ["--HeartMonitor.period=300", "--HeartMonitor.max_heartmonitor_misses=100"]
     janitor = None
     ranks = None
     engine_pids: list[int] = []
     cluster = None
     try:
         path = None
-        # At most twice: a start whose controller never pings its engines (see _unpinged) is retried once on a
-        # fresh controller with other ports; any other failure is reported at once.
+        # At most twice: a start whose controller never pings its engines (controller.wait_for_engines) is
+        # retried once on a fresh controller with other ports; any other failure is reported at once.
         for attempt in (1, 2):
-            cluster = ipp.Cluster(n=0, controller_ip="127.0.0.1", log_level=logging.ERROR,
-                                  profile_dir=os.path.join(run_dir, "ipython"),
-                                  controller_args=heartbeat + _controller_ports())
+            cluster = controller.new_cluster(run_dir)
             cluster.start_controller_sync()
             path = path or (shared if server is None else server.wait().path)
-            _wait_for_connection_file(cluster, timeout_s=REGISTRATION_TIMEOUT_S)
+            controller.wait_for_connection_file(cluster, timeout_s=REGISTRATION_TIMEOUT_S)
             # No nanny process per engine: it costs a few seconds of start-up on two cores, and the engines
             # are stopped by signal (stop, janitor) rather than through it. An engine gives up on a controller
             # that has not answered its registration within IPEngine.timeout, 5 s by default: two notebooks
@@ -406,7 +290,7 @@ def start_ranks(world_size: int = 4, *, timeout_s: float | None = None, activate
                 cwd=ROOT,
             )
             client = cluster.connect_client_sync()
-            unpinged = _wait_for_engines(client, run_dir, world_size, timeout_s=120)
+            unpinged = controller.wait_for_engines(client, run_dir, world_size, timeout_s=120)
             if unpinged is None:
                 break
             if attempt == 2:

@@ -190,18 +190,19 @@ def test_the_controller_takes_its_ports_below_the_range_the_system_assigns():
     """ipyparallel's own ports come from the range that gloo's sockets and outgoing connections draw from, and
     its heart monitor binds its port seconds after choosing it. The book's pool lies below that range, and a
     port some other program holds is left out of it."""
-    from helpers import ranks as book_ranks
+    from helpers import controller as book_controller
 
     with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
         assigned_from = int(f.read().split()[0])
     taken = socket.socket()
     try:
-        first = [int(p) for p in book_ranks._controller_ports()[0].split("=")[1].split(",")]
+        first = [int(p) for p in book_controller.ports()[0].split("=")[1].split(",")]
         taken.bind(("127.0.0.1", first[3]))
-        again = [int(p) for p in book_ranks._controller_ports()[0].split("=")[1].split(",")]
+        again = [int(p) for p in book_controller.ports()[0].split("=")[1].split(",")]
     finally:
         taken.close()
-    assert len(first) == book_ranks.CONTROLLER_PORTS and all(20000 <= p < assigned_from for p in first), first
+    assert len(first) == book_controller.CONTROLLER_PORTS, first
+    assert all(20000 <= p < assigned_from for p in first), first
     assert first[3] not in again and all(20000 <= p < assigned_from for p in again)
 
 
@@ -210,9 +211,9 @@ def test_a_controller_that_never_pings_its_engines_is_replaced(monkeypatch):
     registration and is never pinged ("No heartbeat in the last 800 ms"). The start gives that controller up
     after UNPINGED_BEATS beats and succeeds on a fresh one; with the port taken both times it fails, saying
     why, within two of those waits rather than two 120 s timeouts."""
-    from helpers import ranks as book_ranks
+    from helpers import controller as book_controller
 
-    real = book_ranks._controller_ports
+    real = book_controller.ports
     thieves: list[socket.socket] = []
 
     def poisoned(times: int):
@@ -229,7 +230,7 @@ def test_a_controller_that_never_pings_its_engines_is_replaced(monkeypatch):
         return ports
 
     try:
-        monkeypatch.setattr(book_ranks, "_controller_ports", poisoned(1))
+        monkeypatch.setattr(book_controller, "ports", poisoned(1))
         started = time.monotonic()
         ranks = start_ranks(2, timeout_s=10, activate=False)
         try:
@@ -239,7 +240,7 @@ def test_a_controller_that_never_pings_its_engines_is_replaced(monkeypatch):
             ranks.stop()
         print(f"a start with one unpinged controller: {time.monotonic() - started:.1f} s")
         thieves.pop().close()
-        monkeypatch.setattr(book_ranks, "_controller_ports", poisoned(2))
+        monkeypatch.setattr(book_controller, "ports", poisoned(2))
         with pytest.raises(TimeoutError, match="registered but the controller never pinged it .* twice"):
             start_ranks(2, timeout_s=10, activate=False)
         assert len(thieves) == 2
@@ -301,7 +302,7 @@ def test_engines_start_only_once_the_connection_file_is_whole(tmp_path):
     import threading
     from types import SimpleNamespace
 
-    from helpers.ranks import _wait_for_connection_file
+    from helpers.controller import wait_for_connection_file
 
     controller = SimpleNamespace(state="running")
     cluster = SimpleNamespace(profile_dir=str(tmp_path), cluster_id="x", controller=controller)
@@ -311,13 +312,13 @@ def test_engines_start_only_once_the_connection_file_is_whole(tmp_path):
     writer = threading.Timer(0.5, lambda: path.write_text('{"url": "tcp://127.0.0.1:1"}'))
     writer.start()
     started = time.monotonic()
-    _wait_for_connection_file(cluster, timeout_s=10)
+    wait_for_connection_file(cluster, timeout_s=10)
     waited = time.monotonic() - started
     writer.join()
     assert waited >= 0.4, "returned on an empty file"
     path.unlink()
     with pytest.raises(TimeoutError, match="did not write the engines' connection file within 0 s"):
-        _wait_for_connection_file(cluster, timeout_s=0.2)
+        wait_for_connection_file(cluster, timeout_s=0.2)
     controller.state = "after"
     with pytest.raises(RuntimeError, match="controller stopped before"):
-        _wait_for_connection_file(cluster, timeout_s=10)
+        wait_for_connection_file(cluster, timeout_s=10)
