@@ -47,5 +47,5 @@ CHAPTERS = {
 # what every chapter uses and none teaches: ranks, checks, what a page shows, the reference model and data
 HARNESS = ("helpers.ranks", "helpers.forkserver", "helpers.dist", "helpers.checks", "helpers.errors",
            "helpers.exercises", "helpers.show", "helpers.measure", "helpers.model", "helpers.data",
-           "helpers.reference", "helpers.janitor", "helpers.figures",
+           "helpers.reference", "helpers.janitor", "helpers.figures", "helpers.timing",
            "helpers.controller")

@@ -6,7 +6,8 @@ test builds, is forked from one server started for the session (helpers.forkserv
 - :func:`small_config`: the small GPT the two-rank tests run, changed where a test needs it;
 - :func:`seeded_batch`: a global batch of random tokens, the same in this process and on every rank;
 - :func:`assert_close_to_scale`: tensors equal to a reference within ``rtol`` of each tensor's largest entry,
-  the tolerance every two-rank test states.
+  the tolerance every two-rank test states;
+- :func:`myst_notebook`: a tiny notebook's text, the chapters' jupytext header and its code cells.
 
 The functions are plain, so a module can use them in its parametrisations: ``from conftest import ...``
 (pytest puts ``tests/`` on the path, as the folder is no package).
@@ -84,3 +85,23 @@ def assert_close_to_scale(got: dict, want: dict, rtol: float, what: str = "") ->
             continue
         error, scale = (g - w).abs().max().item(), w.abs().max().item()
         assert error <= rtol * scale, f"{what} {name}: max abs error {error:.3e} > {rtol:.0e} x {scale:.3e}"
+
+
+NOTEBOOK_HEADER = """\
+---
+jupytext:
+  text_representation:
+    extension: .md
+    format_name: myst
+kernelspec:
+  display_name: Python 3
+  language: python
+  name: python3
+---
+"""
+
+
+def myst_notebook(*cells: str) -> str:
+    """A MyST notebook as the chapters are written: the jupytext header, then each cell's code as a code
+    cell (a cell starting ``%%px`` runs on the ranks)."""
+    return NOTEBOOK_HEADER + "".join(f"\n```{{code-cell}} ipython3\n{code.strip()}\n```\n" for code in cells)

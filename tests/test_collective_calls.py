@@ -45,8 +45,8 @@ EXCEPTIONS = {
     # timings: a booking is not what is timed, and the slowest rank's time is bookkeeping, not traffic
     ("helpers/parallel/collective_costs.py", "time_collective", "barrier"): "lines the ranks up to time",
     ("helpers/parallel/collective_costs.py", "time_collective", "all_reduce"): "the slowest rank's time",
-    ("helpers/tools/bench_timing.py", "_timed", "barrier"): "lines the ranks up before each timed run",
-    ("helpers/tools/bench_timing.py", "_slowest", "all_reduce"): "the slowest rank's time",
+    ("helpers/timing.py", "timed", "barrier"): "lines the ranks up before each timed run",
+    ("helpers/timing.py", "slowest", "all_reduce"): "the slowest rank's time",
     ("helpers/tools/bench_rows.py", "ring", "all_reduce"):
         "PyTorch's side of make bench's ring row: the book's ring is timed against torch's all-reduce",
     ("notebooks/03_ddp.md", "time_steps", "barrier"): "lines the ranks up before a wall-clock timing",

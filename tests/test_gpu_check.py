@@ -15,28 +15,17 @@ import sys
 
 import pytest
 
+from conftest import myst_notebook
 from helpers import ROOT
 from helpers.tools import gpu_check
 
-NOTEBOOK = """\
----
-jupytext:
-  text_representation:
-    extension: .md
-    format_name: myst
-kernelspec:
-  display_name: Python 3
-  language: python
-  name: python3
----
-
-```{{code-cell}} ipython3
+SETUP = """
 from helpers.ranks import start_ranks
 world_size = 2
 ranks = start_ranks(world_size)
-```
+"""
 
-```{{code-cell}} ipython3
+CHECK = """
 %%px
 import torch
 import torch.distributed as dist
@@ -44,15 +33,14 @@ from helpers.dist import device
 x = torch.ones(3, device=device()) * (dist.get_rank() + 1)
 dist.all_reduce(x)
 assert x.tolist() == [{total}] * 3, x
-```
 """
 
 
 @pytest.fixture
 def notebooks(tmp_path):
     good, bad = tmp_path / "gpu_check_probe_good.md", tmp_path / "gpu_check_probe_bad.md"
-    good.write_text(NOTEBOOK.format(total=3.0))  # 1 + 2
-    bad.write_text(NOTEBOOK.format(total=4.0))
+    good.write_text(myst_notebook(SETUP, CHECK.format(total=3.0)))  # 1 + 2
+    bad.write_text(myst_notebook(SETUP, CHECK.format(total=4.0)))
     yield str(good), str(bad)
     for path in (good, bad):  # what run_chapter and gpu_check wrote for them
         name = os.path.basename(path)[:-3]

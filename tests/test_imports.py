@@ -27,9 +27,6 @@ KNOWN_CYCLES = {
 TOOLS_USERS = {
     # chapter 00 shows how a chapter becomes a torchrun script: it calls make torchrun's exporter
     ("notebooks/00_how_this_book_runs.md", "helpers.tools.px_script"),
-    # issue 37, item 6: chapter 04 times ZeRO with make bench's timer; to move out of tools/ with that chapter
-    ("notebooks/04_zero_fsdp.md", "helpers.tools.bench_timing"),
-    ("notebooks/04_zero_fsdp.md", "helpers.tools.bench"),
 }
 
 

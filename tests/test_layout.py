@@ -291,3 +291,15 @@ def test_no_word_the_conventions_rule_out():
              for n, line in enumerate(read(path).splitlines(), 1)
              for pattern, why in NEVER.items() if re.search(pattern, line)]
     assert not found, "words book/conventions.md rules out:\n" + "\n".join(found)
+
+
+def test_every_definition_of_comms_is_shown_on_a_page():
+    """``helpers/parallel/comms.py`` is the layer every chapter after 02 calls for its communication: each of
+    its functions and classes is listed by ``show_source`` on some chapter's page (the chapter that first uses
+    it; issue 37, item 6), so no call a chapter makes through it is unseen."""
+    tree = ast.parse(read("helpers/parallel/comms.py"))
+    defined = {node.name for node in tree.body if isinstance(node, (ast.FunctionDef, ast.ClassDef))}
+    shown = {name for path in chapters() for call in re.findall(r"show_source\(([^)]*)\)", read(path))
+             for name in re.findall(r"\bcomms\.(\w+)", call)}
+    assert not defined - shown, f"comms.py's definitions shown on no page: {sorted(defined - shown)} (show " \
+                                f"each with show_source where a chapter first uses it)"

@@ -12,20 +12,10 @@ import sys
 import threading
 import time
 
+from conftest import myst_notebook
 from helpers import ROOT
 
-TINY = """---
-jupytext:
-  text_representation:
-    extension: .md
-    format_name: myst
-kernelspec:
-  display_name: Python 3
-  language: python
-  name: python3
----
-
-```{code-cell} ipython3
+TINY = myst_notebook("""
 %%px
 import os
 import time
@@ -36,8 +26,7 @@ print(f"rank {dist.get_rank()} started", flush=True)
 time.sleep(float(os.environ.get("TINY_SLEEP", "0")))
 if os.environ.get("TINY_NEEDS_4") and dist.get_world_size() != 4:
     raise ValueError(f"this chapter runs on 4 ranks, got world_size={dist.get_world_size()}")
-```
-"""
+""")
 
 
 def px_script(tmp_path, *args, **env):

@@ -26,9 +26,8 @@ import os
 import sys
 import time
 
-import numpy as np
-
 from helpers import ROOT
+from helpers.timing import NO_DIFFERENCE, compare
 
 SIZES = [2**10 * 4**k for k in range(9)]  # 1 KiB … 64 MiB
 GROUPS = {"02": "ring all-reduce", "03": "DDP", "04": "ZeRO", "05": "TP", "06": "PP", "12": "Muon"}
@@ -54,24 +53,6 @@ STEP_ROWS = [
 FIELDS = ["chapter", "row", "ours", "theirs", "bytes", "runs", "ours_ms", "ours_iqr_ms", "theirs_ms",
           "theirs_iqr_ms", "ratio", "ratio_q25", "ratio_q75", "verdict", "ours_busbw_gbs", "theirs_busbw_gbs",
           "memory_ratio", "note"]
-NO_DIFFERENCE = "no measurable difference"
-
-
-def compare(ours: list[float], theirs: list[float]) -> dict:
-    """Medians and IQRs of two sides' run times (seconds, in pairs: run i of each ran one after the other),
-    and the ratio ours/theirs: the median of the pairs' ratios, with their quartiles, and the verdict."""
-    o, t = np.asarray(ours, dtype=float), np.asarray(theirs, dtype=float)
-    if o.shape != t.shape or not o.size:
-        raise ValueError(f"paired runs needed: {o.size} of ours against {t.size} of theirs")
-    (o25, o50, o75), (t25, t50, t75) = np.percentile(o, [25, 50, 75]), np.percentile(t, [25, 50, 75])
-    q25, ratio, q75 = np.percentile(o / t, [25, 50, 75])
-    if q25 <= 1 <= q75:  # the middle half of the pairs has ours both faster and slower
-        verdict = NO_DIFFERENCE
-    else:
-        verdict = f"ours {ratio:.2f}x the time" if ratio > 1 else f"ours {1 / ratio:.2f}x as fast"
-    return {"runs": int(o.size), "ours_ms": o50 * 1e3, "ours_iqr_ms": (o75 - o25) * 1e3,
-            "theirs_ms": t50 * 1e3, "theirs_iqr_ms": (t75 - t25) * 1e3, "ratio": float(ratio),
-            "ratio_q25": float(q25), "ratio_q75": float(q75), "verdict": verdict}
 
 
 def bus_bandwidth(nbytes: int, seconds: float, world_size: int) -> float:

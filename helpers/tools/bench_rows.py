@@ -4,9 +4,10 @@ the same model, seed and data, timed alternately, and checked once against each 
 Each row function runs on every rank of the default group and returns the same dict on every rank: ``ours``
 and ``theirs``, the seconds of each timed run in the order they ran (each the slowest rank's), and what else
 the row measures (``bytes`` of a message, ``memory``: each side's model-state bytes on its fullest rank).
-The timing is :mod:`helpers.tools.bench_timing`'s: a warm-up run of each, then ``ours, theirs, ours, …``,
-every run started together on every rank. The models and sizes are the chapters' own (chapter 02's ring, 03's
-DDP, 04's ZeRO, 05's tensor parallelism, 06's pipelines, 12's Muon); the page is :mod:`helpers.tools.bench`.
+The timing is :func:`helpers.timing.alternate`'s (chapter 04's too): a warm-up run of each, then ``ours,
+theirs, ours, …``, every run started together on every rank. The models and sizes are the chapters' own
+(chapter 02's ring, 03's DDP, 04's ZeRO, 05's tensor parallelism, 06's pipelines, 12's Muon); the page is
+:mod:`helpers.tools.bench`.
 
 Before a row returns, its two sides' results after the timed runs (the all-reduced buffer, the gradients,
 the parameters) are compared with :func:`helpers.checks.check_close`: a bench never times a wrong
@@ -22,7 +23,8 @@ from helpers.checks import check_close
 from helpers.data import get_batch, make_tokens
 from helpers.model import GPT, GPTConfig, cross_entropy
 from helpers.reference import named_grads, named_params
-from helpers.tools.bench_timing import alternate, batch_rows, model_state_bytes
+from helpers.timing import alternate
+from helpers.tools.bench_timing import batch_rows, model_state_bytes
 
 # The chapters' sizes: chapter 03's model, batch and bucket cap; 04's model (fp32 here, fp64 there) and AdamW;
 # 05's and 06's models, micro-batches and schedules.
