@@ -8,10 +8,10 @@ the source (AST), so it needs no GPU: under gloo ``device()`` is the CPU and a f
 nothing a CPU run can see.
 
 The chapters' side: in a chapter's rank-side cells (``%%px``, not ``--local``), every tensor factory and every
-model class (the GPT, the MoE GPT and layer, ``nn`` layers) is given ``device=`` or moved by ``.to(...)``
-along its chain, unless it is built for a ``check_*`` call or copied into a tensor (``copy_``), or listed with
-its reason; and every chapter with ranks asks for ``device()`` or ``rank_device()`` or calls a helper
-that does.
+model class (the GPT, the MoE GPT and layer, ``nn`` layers) is given ``device=`` or moved by ``.to(...)`` (a
+cast to a dtype alone is no move) along its chain, unless it is built for a ``check_*`` call or copied into a
+tensor (``copy_``), or listed with its reason; and every chapter with ranks asks for ``device()`` or
+``rank_device()`` or calls a helper that does.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from __future__ import annotations
 import ast
 import functools
 import pathlib
+import re
 
 from helpers import ROOT
 
@@ -90,6 +91,7 @@ def test_a_planted_factory_is_caught():
 # move what such a cell made (its batches) in a %%px cell of their own, which this test reads.
 MODEL_BUILDERS = {"GPT", "MoEGPT", "MoELayer", "Linear", "Embedding", "LayerNorm", "RMSNorm"}
 MOVES = {"to", "cuda"}
+DTYPE = re.compile(r"(b?float|u?int|complex)\d*(_\w+)?|half|double|long|bool")  # torch.<dtype>: no move
 # helpers.checks' comparisons bring both sides to the CPU before they compare; copy_ writes on the device of
 # the tensor it writes into
 TAKEN_WHERE_NEEDED = ("check_", "copy_")
@@ -120,15 +122,24 @@ def px_cells(path: pathlib.Path) -> list[tuple[int, str]]:
     return cells
 
 
+def _dtype_only(call: ast.Call) -> bool:
+    """``.to(torch.bfloat16)``: a cast that leaves the tensor where it is."""
+    return not call.keywords and bool(call.args) and all(
+        isinstance(a, ast.Attribute) and isinstance(a.value, ast.Name) and a.value.id == "torch"
+        and DTYPE.fullmatch(a.attr) for a in call.args)
+
+
 def _moved_or_checked(node: ast.AST, parent: dict) -> bool:
     """Whether the value of ``node`` is moved (``.to(...)``, ``.cuda()``) further along its chain of
     attributes, indexes and calls, or is built inside the arguments of a ``check_*`` or ``copy_`` call."""
     here = node
     while isinstance(parent.get(here), (ast.Attribute, ast.Subscript, ast.Call)):
         up = parent[here]
-        if isinstance(up, ast.Call) and up.func is not here:  # an argument: the chain ends
+        if (up.func if isinstance(up, ast.Call) else up.value) is not here:  # an argument, an index: the end
             break
-        if isinstance(up, ast.Attribute) and up.attr in MOVES and isinstance(parent.get(up), ast.Call):
+        call = parent.get(up)
+        moves = isinstance(up, ast.Attribute) and up.attr in MOVES
+        if moves and isinstance(call, ast.Call) and call.func is up and not _dtype_only(call):
             return True
         here = up
     while node in parent:
@@ -156,8 +167,8 @@ def rank_builds_without_device(source: str) -> list[str]:
                          and func.value.id == "torch" and func.attr in FACTORIES)
         name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
         if (torch_factory or name in MODEL_BUILDERS) and not _moved_or_checked(node, parent):
-            found.append(ast.get_source_segment(source, node).split("\n")[0])
-    return found
+            found.append((node.lineno, node.col_offset, ast.get_source_segment(source, node).split("\n")[0]))
+    return [text for *_, text in sorted(found)]
 
 
 def chapters() -> list[pathlib.Path]:
@@ -193,9 +204,11 @@ def test_a_planted_rank_build_is_caught():
                "mlp = GPT(cfg, seed=0).blocks[0].mlp.to(device())\nh = torch.randn(4, generator=g)\n"
                "h2 = torch.randn(4, generator=g).to(device())\nz = torch.zeros(3, device=device())\n"
                "check_close('x', torch.tensor(losses).mean(), want)\nf(torch.ones(2)).to(device())\n"
-               "p.copy_(torch.randn(3, generator=g))\n")
+               "p.copy_(torch.randn(3, generator=g))\nbf16 = GPT(cfg, seed=0).to(torch.bfloat16)\n"
+               "both = GPT(cfg, seed=0).to(device(), torch.bfloat16)\n"
+               "rows = x.to(device())[torch.arange(2)]\n")
     assert rank_builds_without_device(planted) == ["GPT(cfg, seed=0)", "torch.randn(4, generator=g)",
-                                                   "torch.ones(2)"]
+                                                   "torch.ones(2)", "GPT(cfg, seed=0)", "torch.arange(2)"]
 
 
 # Chapters whose ranks get the device from the helper that trains them, shown on the page: (helper, why).
@@ -210,7 +223,6 @@ DEVICE_FROM_HELPER = {
 def test_every_chapter_with_ranks_asks_for_the_device():
     import importlib
     import inspect
-    import re
 
     silent = []
     for path in chapters():
