@@ -103,7 +103,7 @@ CPU_ON_PURPOSE: dict[tuple[str, str], str] = {
     ("12_optimizers.md", "GPT(dcfg, seed=0)"):
         "the exercise reads the model's matrix shapes (EX_SHAPES) and nothing else",
     ("14_rl_algorithms.md", 'torch.tensor([s["losses"] for s in steps], dtype=torch.float64)'):
-        "Python floats kept for the kernel, which compares them on the CPU",
+        "each step's loss as Python floats, kept for the checks on the rank and in the kernel (on the CPU)",
 }
 
 
