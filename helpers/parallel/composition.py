@@ -162,9 +162,12 @@ def optimizer(chunks: dict, mesh: Mesh, run: ParallelDims, lr: float):
 def train(model, mesh: Mesh, run: ParallelDims, data, lr: float) -> dict:
     """This rank's part of ``model``, trained with AdamW on the global batches ``data`` (one step each) by the
     book's loop. Kept for the checks: the first step's gradients (before ZeRO-1's own reduction), that step's
-    traffic by mesh dimension (the ledger cleared before it), every step's loss and the parameters after."""
+    traffic by mesh dimension (the ledger cleared before it), every step's loss and the parameters after. The
+    model and the batches go to the run's device first."""
     check(run)
-    chunks = apply(model, mesh, run)
+    on = run.rank_device()  # the CPU under gloo, this rank's GPU under nccl
+    chunks = apply(model.to(on), mesh, run)
+    data = [(xs.to(on), ys.to(on)) for xs, ys in data]
     opt = optimizer(chunks, mesh, run, lr)
 
     def step(xs, ys):
@@ -187,11 +190,12 @@ def params(chunks: dict) -> dict[str, torch.Tensor]:
 
 
 def state(chunks: dict, mesh: Mesh, grads: bool = True) -> dict:
-    """What a rank hands back for the checks: where it sits, its parameters and (if any) gradients."""
+    """What a rank hands back for the checks: where it sits, its parameters and (if any) gradients, all on the
+    CPU."""
     where = mesh.coordinates(dist.get_rank())
     out = {"where": {name: where.get(name, 0) for name in MESH_ORDER}, "params": params(chunks)}
     if grads:
-        out["grads"] = {name: g for chunk in chunks.values() for name, g in named_grads(chunk).items()}
+        out["grads"] = {name: g.cpu() for chunk in chunks.values() for name, g in named_grads(chunk).items()}
     return out
 
 

@@ -11,6 +11,7 @@ attention and the MLP.
 
 from __future__ import annotations
 
+from helpers import dist as book_dist
 from helpers.model import GPT, GPTConfig
 
 
@@ -20,7 +21,7 @@ def torch_tensor_parallel(config: GPTConfig, mesh, sequence_parallel: bool) -> G
     from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, PrepareModuleOutput,
                                                    RowwiseParallel, SequenceParallel, parallelize_module)
 
-    model = GPT(config, seed=0)
+    model = GPT(config, seed=0).to(book_dist.device())  # the weights not split stay where the split ones go
     seq = Shard(1) if sequence_parallel else Replicate()  # the residual stream between the parallel layers
     plan = {"tok_emb": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
             "lm_head": ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1), use_local_output=False)}
