@@ -45,8 +45,17 @@ def reply(kc, msg_id: str, timeout: float) -> dict:
         elif msg["msg_type"] == "error":
             text.append("\n".join(msg["content"]["traceback"]))
         elif msg["msg_type"] == "status" and msg["content"]["execution_state"] == "idle":
-            content = kc.get_shell_msg(timeout=max(1, deadline - time.monotonic()))["content"]
-            return {**content, "text": "".join(text)}
+            return {**shell_reply(kc, msg_id, deadline), "text": "".join(text)}
+
+
+def shell_reply(kc, msg_id: str, deadline: float) -> dict:
+    """The content of ``msg_id``'s reply on the shell channel, skipping replies to other requests: a loaded
+    kernel that takes over a second to start leaves extra kernel_info replies there (``wait_for_ready`` asks
+    again each second), and taking the next reply as this cell's once shifted every answer by one."""
+    while True:
+        msg = kc.get_shell_msg(timeout=max(1, deadline - time.monotonic()))
+        if msg["parent_header"].get("msg_id") == msg_id:
+            return msg["content"]
 
 
 def wait_until_busy(kc, msg_id: str) -> None:
@@ -64,6 +73,7 @@ def kernel():
     kc.start_channels()
     try:
         kc.wait_for_ready(timeout=60)
+        kc.kernel_info()  # a reply nobody reads, as wait_for_ready leaves on a loaded machine (shell_reply)
         started = run(kc, "from helpers.ranks import start_ranks\nranks = start_ranks(2)", START_S)
         assert started["status"] == "ok", started["text"]
         yield km, kc
