@@ -9,10 +9,9 @@ from dataclasses import replace
 import pytest
 import torch
 
-from helpers import memory_budget, model_size, time_model
-from helpers.memory_budget import Layout, budget
-from helpers.model_size import LLAMA3_8B, LLAMA3_70B, LLAMA3_405B, Batch, ModelShape
-from helpers.parallel import pipeline_schedules
+from helpers.cost import memory_budget, model_size, pipeline_schedules, time_model
+from helpers.cost.memory_budget import Layout, budget
+from helpers.cost.model_size import LLAMA3_8B, LLAMA3_70B, LLAMA3_405B, Batch, ModelShape
 from helpers.model import GPT, GPTConfig
 
 

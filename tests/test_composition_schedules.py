@@ -40,7 +40,7 @@ def _trained(cfg, run, data, lr):
 
 def _by_hand(run):
     """The run's schedule from chapter 06's module directly, not through the run description."""
-    from helpers.parallel import pipeline_schedules as ps
+    from helpers.cost import pipeline_schedules as ps
 
     if run.schedule == "interleaved":
         return ps.interleaved_1f1b(run.pp, run.m, run.vpp)

@@ -3,10 +3,9 @@ force, where a published layout ranks, and the errors. Pure Python, no ranks; fl
 
 import pytest
 
-from helpers import memory_budget, model_size, time_model
-from helpers.memory_budget import Layout
-from helpers.model_size import LLAMA3_70B, LLAMA3_405B, ModelShape
-from helpers.parallel import layout_search
+from helpers.cost import layout_search, memory_budget, model_size, time_model
+from helpers.cost.memory_budget import Layout
+from helpers.cost.model_size import LLAMA3_70B, LLAMA3_405B, ModelShape
 
 TINY = ModelShape("tiny", n_layers=2, d_model=64, n_heads=4, n_kv_heads=4, d_ff=256, vocab_size=256)
 # two GPUs on one node, fast links, no latency: every overhead is as small as it can be but not zero

@@ -9,9 +9,9 @@ from dataclasses import replace
 
 import pytest
 
-from helpers import ROOT, memory_budget, model_size, published_runs, time_model
-from helpers.matmul_rate import gemm_seconds
-from helpers.parallel import layout_search
+from helpers import ROOT
+from helpers.cost import layout_search, memory_budget, model_size, published_runs, time_model
+from helpers.cost.matmul_rate import gemm_seconds
 
 FIT = [r for r in published_runs.RUNS if r.role == "fit"]
 HELD_OUT = [r for r in published_runs.RUNS if r.role == "held-out"]

@@ -11,8 +11,8 @@ micro-batches ``m``; chapter 05's sequence parallelism; chapter 04's ZeRO stage;
 and the device; chapter 07's attention core and layout, and which group averages the gradients.
 
 - Making one validates it (``__post_init__``): the choices, then every degree's rule through the one place
-  that states it, ``helpers.layout_rules``, which the calculator's :class:`helpers.memory_budget.Layout` calls
-  too, so an error reads the same in chapters 01, 10 and 15. :meth:`ParallelDims.check` adds the rules
+  that states it, ``helpers.layout_rules``, which the calculator's :class:`helpers.cost.budget_types.Layout`
+  calls too, so an error reads the same in chapters 01, 10 and 15. :meth:`ParallelDims.check` adds the rules
   that need the model and the batch (chapter 01's ``memory_budget.validate``), the world's size (the mesh's)
   and chapter 06's schedule.
 - :meth:`ParallelDims.mesh` is chapter 10's :class:`~helpers.parallel.mesh.Mesh` of the run (``make_groups()``
@@ -27,8 +27,8 @@ from dataclasses import dataclass
 
 import torch
 
-from helpers import layout_rules, memory_budget
-from helpers.parallel import pipeline_schedules
+from helpers import layout_rules
+from helpers.cost import memory_budget, pipeline_schedules
 from helpers.parallel.mesh import FLATTENED, MESH_ORDER, Mesh
 
 SCHEDULES = {"gpipe": pipeline_schedules.gpipe, "1f1b": pipeline_schedules.one_f_one_b,

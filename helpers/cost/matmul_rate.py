@@ -10,7 +10,7 @@ tokens per micro-batch or per expert), spend a larger share of their time moving
 Attention that materializes its ``s × s`` scores (Megatron-LM 2021's fused softmax) writes and reads them,
 which the same formula prices; flash attention never stores them (Dao et al. 2022) and skips the masked half
 of a causal product, at the efficiency its authors report
-(:attr:`helpers.time_model.Cluster.attention_efficiency`).
+(:attr:`helpers.cost.time_model.Cluster.attention_efficiency`).
 
 :func:`layer_gemms` lists the GEMMs of one layer on one rank for one micro-batch (forward: backward runs two
 of each shape), :func:`compute_profile` prices a whole step's, and :func:`matmul_efficiency` turns it into the
@@ -19,7 +19,7 @@ fraction of the peak its FLOPs run at.
 
 from __future__ import annotations
 
-from helpers.model_size import kv_heads_per_rank
+from helpers.cost.model_size import kv_heads_per_rank
 
 
 def gemm_seconds(m: int, k: int, n: int, peak: float, ceiling: float, hbm_bw: float, bytes_per: int = 2,

@@ -1,7 +1,7 @@
 """The time model of one training step: what each parallelism sends, and alpha-beta time (chapter 01).
 
-The third of the three parts of chapter 01's calculator, after :mod:`helpers.model_size` and
-:mod:`helpers.memory_budget` (whose :func:`~helpers.memory_budget.budget` calls :func:`traffic`).
+The third of the three parts of chapter 01's calculator, after :mod:`helpers.cost.model_size` and
+:mod:`helpers.cost.memory_budget` (whose :func:`~helpers.cost.memory_budget.budget` calls :func:`traffic`).
 Each kind of parallelism has its traffic formula here, public, and the chapter whose ledger measures that
 traffic shows it and checks it: data parallelism and ZeRO in chapters 03 and 04, tensor parallelism in 05, the
 pipeline in 06, context parallelism in 07, expert parallelism in 08.
@@ -14,22 +14,19 @@ pipeline in 06, context parallelism in 07, expert parallelism in 08.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
-from helpers.model_size import kv_heads_per_rank, whole_number
-from helpers.parallel.collective_costs import cost_terms
-from helpers.parallel.pipeline_schedules import stage_layers
-
-if TYPE_CHECKING:
-    from helpers.memory_budget import Budget, Layout
+from helpers.cost.budget_types import Budget, Layout
+from helpers.cost.collective_costs import cost_terms
+from helpers.cost.model_size import kv_heads_per_rank, whole_number
+from helpers.cost.pipeline_schedules import stage_layers
 
 
 @dataclass(frozen=True)
 class Cluster:
     """Hardware for the time model. Bandwidths are per GPU, in bytes per second, as nccl-tests' bus
     bandwidth. ``efficiency`` is the fraction of the peak the largest GEMMs reach; with ``hbm_bw`` (the
-    memory bandwidth) each GEMM's own rate follows from its shape (:mod:`helpers.matmul_rate`), without it
-    every matmul runs at ``efficiency``."""
+    memory bandwidth) each GEMM's own rate follows from its shape (:mod:`helpers.cost.matmul_rate`), without
+    it every matmul runs at ``efficiency``."""
 
     name: str
     gpus_per_node: int
@@ -59,9 +56,9 @@ class Cluster:
         whole_number(f"Cluster {self.name!r}: gpus_per_node", self.gpus_per_node, least=1)
 
 
-# The ceilings: fitted on the fitting runs of helpers.published_runs (chapter 01 refits them at build, fails
-# when they drift); flash attention at the 50 % of peak FlashAttention-2 reports as its lower end on A100
-# (Dao 2023: 50-73 %). Memory bandwidths from the vendors' datasheets (H100 SXM 3.35 TB/s, A100 80GB
+# The ceilings: fitted on the fitting runs of helpers.cost.published_runs (chapter 01 refits them at build,
+# fails when they drift); flash attention at the 50 % of peak FlashAttention-2 reports as its lower end on
+# A100 (Dao 2023: 50-73 %). Memory bandwidths from the vendors' datasheets (H100 SXM 3.35 TB/s, A100 80GB
 # 2.0 TB/s).
 H100_CEILING, A100_CEILING = 0.654, 0.673
 H100 = Cluster("8x H100 SXM per node, NVLink 4 and 8x400 Gb/s InfiniBand", gpus_per_node=8,
@@ -78,8 +75,8 @@ class Assumptions:
     """The time model's assumptions, each named, cited where production does it, and switchable: a test or a
     page turns one off to see how much it moves a prediction.
 
-    - ``gemm_shape``: each GEMM at its shape's rate (:mod:`helpers.matmul_rate`); off: every matmul at the
-      cluster's ``efficiency``.
+    - ``gemm_shape``: each GEMM at its shape's rate (:mod:`helpers.cost.matmul_rate`); off: every matmul at
+      the cluster's ``efficiency``.
     - ``causal_skip``: a causal flash-attention kernel skips the masked half of the product (FlashAttention-2,
       Dao 2023), though MFU counts all of it; off: it computes the whole square.
     - ``elementwise``: the memory-bound operations (norms, residuals, activations) at the memory bandwidth;
@@ -287,7 +284,7 @@ def step_time(b: Budget, cluster: Cluster, overlap: bool = True, assumptions: As
     pipeline bubble, (pp-1)/(vpp*m) of the compute (Narayanan et al. 2021). A data-parallel transfer hides
     only behind the compute in flight with it (:class:`DPTransfer`); ``overlap=False`` is
     ``assumptions.dp_overlap`` off."""
-    from helpers.matmul_rate import compute_profile
+    from helpers.cost.matmul_rate import compute_profile
 
     A = assumptions or DEFAULT
     L, m = b.layout, b.micro_batches

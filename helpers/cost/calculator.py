@@ -1,16 +1,17 @@
 """Chapter 01's calculator as a command line: memory per GPU, traffic per step, step time, MFU (chapter 01).
 
-    python -m helpers.calculator --model llama3-70b --gpus 64 --tp 8 --pp 4
-    python -m helpers.calculator --model mixtral-8x7b --gpus 64 --tp 2 --pp 4 --ep 8 --zero 1 --json
-    python -m helpers.calculator --layers 32 --hidden 4096 --heads 32 --kv-heads 8 --ffn 14336 --vocab 128256
-    python -m helpers.calculator --model llama3-70b --gpus 64 --search
+    python -m helpers.cost.calculator --model llama3-70b --gpus 64 --tp 8 --pp 4
+    python -m helpers.cost.calculator --model mixtral-8x7b --gpus 64 --tp 2 --pp 4 --ep 8 --zero 1 --json
+    python -m helpers.cost.calculator --layers 32 --hidden 4096 --heads 32 --kv-heads 8 --ffn 14336 \
+        --vocab 128256
+    python -m helpers.cost.calculator --model llama3-70b --gpus 64 --search
 
 Nothing here is a model of its own: :func:`run` reads the choices into chapter 01's objects
-(:mod:`helpers.model_size`, :mod:`helpers.memory_budget`, :mod:`helpers.time_model`) and the layout search of
-chapter 10 (:mod:`helpers.parallel.layout_search`), and reports what they compute, as a dictionary; the text
-and ``--json`` are two ways of printing it, and the book's page "Try the calculator" runs this very function
-in the reader's browser (Pyodide). Bad input is one line naming the rule it breaks, in the words of
-:mod:`helpers.layout_rules`, and exit status 2. Imports no torch.
+(:mod:`helpers.cost.model_size`, :mod:`helpers.cost.memory_budget`, :mod:`helpers.cost.time_model`) and the
+layout search of chapter 10 (:mod:`helpers.cost.layout_search`), and reports what they compute, as a
+dictionary; the text and ``--json`` are two ways of printing it, and the book's page "Try the calculator" runs
+this very function in the reader's browser (Pyodide). Bad input is one line naming the rule it breaks, in the
+words of :mod:`helpers.layout_rules`, and exit status 2. Imports no torch.
 """
 
 from __future__ import annotations
@@ -20,10 +21,10 @@ import json
 import sys
 from dataclasses import replace
 
-from helpers import memory_budget, model_size, time_model
-from helpers.calculator_presets import CHAPTERS, GPUS, PRECISIONS, PRESETS
-from helpers.memory_budget import ActivationModel, Layout
-from helpers.model_size import Batch, ModelShape
+from helpers.cost import memory_budget, model_size, time_model
+from helpers.cost.calculator_presets import CHAPTERS, GPUS, PRECISIONS, PRESETS
+from helpers.cost.memory_budget import ActivationModel, Layout
+from helpers.cost.model_size import Batch, ModelShape
 
 GB = 1e9
 # the custom shape's flags and the ModelShape field each sets
@@ -53,7 +54,8 @@ def _whole(least: int):
 
 
 def parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="python -m helpers.calculator", description=__doc__.split("\n\n")[0], allow_abbrev=False)
+    p = _Parser(prog="python -m helpers.cost.calculator", description=__doc__.split("\n\n")[0],
+                allow_abbrev=False)
     p.add_argument("--model", choices=sorted(PRESETS), help="a preset; the shape flags below change it")
     shape = p.add_argument_group("a custom shape (or changes to a preset)")
     for flag, least in (("layers", 1), ("hidden", 1), ("heads", 1), ("kv-heads", 1), ("ffn", 1), ("vocab", 1),
@@ -175,7 +177,7 @@ def _layout_json(L: Layout, c: dict) -> dict:
 
 def search(c: dict, top: int) -> list[dict]:
     """The ``top`` fastest layouts that fit (chapter 10's search), each with why it ranks where it does."""
-    from helpers.parallel import layout_search
+    from helpers.cost import layout_search
 
     a = c["args"]
     result = layout_search.search(c["model"], c["cluster"], a.gpus, a.seq, a.global_batch, c["precision"],

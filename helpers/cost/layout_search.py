@@ -1,10 +1,11 @@
 """Choosing a layout: every valid layout of a model on a cluster, kept if it fits and ranked by its step time
 (chapter 10).
 
-Nothing here is a new model: a layout fits if chapter 01's calculator (:func:`helpers.memory_budget.budget`)
-says one rank of its busiest stage holds at most ``memory`` bytes, and it is ranked by chapter 01's time model
-(:func:`helpers.time_model.step_time`: compute, exposed communication, pipeline bubble). The rules a layout
-must meet are chapter 01's too (:mod:`helpers.layout_rules`): they prune the grid before any budget is made.
+Nothing here is a new model: a layout fits if chapter 01's calculator
+(:func:`helpers.cost.memory_budget.budget`) says one rank of its busiest stage holds at most ``memory`` bytes,
+and it is ranked by chapter 01's time model (:func:`helpers.cost.time_model.step_time`: compute, exposed
+communication, pipeline bubble). The rules a layout must meet are chapter 01's too
+(:mod:`helpers.layout_rules`): they prune the grid before any budget is made.
 
 What is searched: the degrees ``dp``, ``tp``, ``pp``, ``cp``, ``ep`` (each a divisor of the world size, ``tp``
 within a node), sequence parallelism, ``vpp``, the ZeRO stage, the micro-batch size (hence the micro-batch
@@ -25,10 +26,10 @@ from dataclasses import dataclass, replace
 from itertools import product
 
 from helpers import layout_rules
-from helpers.memory_budget import (BF16, FRAMEWORK_ALLOWANCE, ActivationModel, Budget, Layout, Precision,
+from helpers.cost.memory_budget import (BF16, FRAMEWORK_ALLOWANCE, ActivationModel, Budget, Layout, Precision,
                                    budget)
-from helpers.model_size import Batch, ModelShape
-from helpers.time_model import Assumptions, Cluster, StepTime, step_time
+from helpers.cost.model_size import Batch, ModelShape
+from helpers.cost.time_model import Assumptions, Cluster, StepTime, step_time
 
 RECOMPUTE = ("none", "selective", "full")
 

@@ -24,8 +24,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from helpers import memory_budget, time_model
-from helpers.model_size import LLAMA3_8B, LLAMA3_70B, LLAMA3_405B, Batch, ModelShape, step_flops
+from helpers.cost import memory_budget, time_model
+from helpers.cost.model_size import LLAMA3_8B, LLAMA3_70B, LLAMA3_405B, Batch, ModelShape, step_flops
 
 
 def _gpt(name: str, layers: int, hidden: int, heads: int, vocab: int = 51200, seq: int = 2048,
@@ -175,8 +175,9 @@ class Prediction:
 
 def predict(run: Run, assumptions: time_model.Assumptions | None = None, cluster=None) -> Prediction:
     """The calculator's throughput for ``run``: its stated layout, and for each unstated knob the fastest
-    choice that fits in the GPU's memory (less the framework allowance of :mod:`helpers.memory_budget`)."""
-    from helpers.parallel import layout_search
+    choice that fits in the GPU's memory (less the framework allowance of
+    :mod:`helpers.cost.memory_budget`)."""
+    from helpers.cost import layout_search
 
     cluster = cluster or run.cluster
     options = dict(micro_batch=[run.micro_batch] if run.micro_batch else [1, 2, 4],
@@ -254,11 +255,11 @@ def fit_ceiling(runs, cluster_of, assumptions=None, lo: float = 0.3, hi: float =
 
 
 def rank_in_search(run: Run, cluster=None, assumptions=None):
-    """Where ``run``'s published layout ranks in :func:`helpers.parallel.layout_search.search` for its
+    """Where ``run``'s published layout ranks in :func:`helpers.cost.layout_search.search` for its
     model, cluster, GPUs and batch: (rank, layouts kept, the fastest kept layout with the run's degrees and,
     where the source states them, its micro-batch and virtual stages). The search tries micro-batches 1, 2
     and the run's."""
-    from helpers.parallel import layout_search
+    from helpers.cost import layout_search
 
     result = layout_search.search(run.model, cluster or run.cluster, run.gpus, run.seq_len, run.global_batch,
                                   precision=run.precision, memory=run.memory, assumptions=assumptions,
