@@ -114,15 +114,17 @@ def test_batch_flags_and_full_recomputation():
 
 def test_layout_flags_reach_the_layout_and_the_traffic():
     r = calc("--model", "llama3-70b", "--gpus", "64", "--tp", "8", "--pp", "4")
-    assert {k: r["layout"][k] for k in ("dp", "tp", "pp", "cp", "ep", "vpp", "zero", "sp")} == \
-        dict(dp=2, tp=8, pp=4, cp=1, ep=1, vpp=1, zero=1, sp=False)
+    degrees = ("dp", "tp", "pp", "cp", "ep", "vpp", "zero", "sequence_parallel")
+    assert {k: r["layout"][k] for k in degrees} == \
+        dict(dp=2, tp=8, pp=4, cp=1, ep=1, vpp=1, zero=1, sequence_parallel=False)
     assert set(r["traffic"]) == {"dp", "tp", "pp"}
     assert r["traffic"]["tp"]["link"] == "NVLink" and r["traffic"]["pp"]["link"] == "network"
     # zero 0 on dp=2: a ring all-reduce of the bf16 gradients sends 2(n-1)/n of them, the whole buffer
     z0 = calc("--model", "llama3-70b", "--gpus", "64", "--tp", "8", "--pp", "4", "--zero", "0")
     assert z0["traffic"]["dp"]["bytes"] == z0["memory"]["gradients"]["bytes"]
     sp = calc("--model", "llama3-70b", "--gpus", "64", "--tp", "8", "--pp", "4", "--sp")
-    assert sp["layout"]["sp"] and sp["memory"]["activations"]["bytes"] < r["memory"]["activations"]["bytes"]
+    assert sp["layout"]["sequence_parallel"]
+    assert sp["memory"]["activations"]["bytes"] < r["memory"]["activations"]["bytes"]
     v = calc("--model", "llama3-70b", "--gpus", "64", "--tp", "8", "--pp", "4", "--vpp", "2")
     assert v["step"]["bubble"] == pytest.approx(r["step"]["bubble"] / 2, rel=0.05)  # (pp-1)/(v·m)
     cp = calc("--model", "llama3-70b", "--gpus", "64", "--tp", "8", "--cp", "2", "--pp", "2", "--dp", "2")

@@ -121,7 +121,8 @@ def test_every_known_cycle_is_still_there():
 def test_the_cost_model_imports_nothing_above_it():
     edges = graph()
     assert any(name.startswith(COST + ".") for name in edges), f"no module under {COST}"
-    upward = sorted((name, m) for name, imports in edges.items() if name == COST or name.startswith(COST + ".")
+    upward = sorted((name, m) for name, imports in edges.items()
+                    if name == COST or name.startswith(COST + ".")
                     for m in imports if any(m == top or m.startswith(top + ".") for top in ABOVE_COST))
     assert not upward, f"the cost model ({COST}) imports from {ABOVE_COST}: {upward}"
 

@@ -51,7 +51,7 @@ def test_the_prunings_keep_the_brute_forces_best():
 
 def test_a_given_layout_is_placed_and_ranked():
     result = layout_search.search(LLAMA3_70B, time_model.H100, 64, seq_len=8192, global_batch=128)
-    rank, c = layout_search.place(result, Layout(dp=8, tp=8, sp=True, zero=1))
+    rank, c = layout_search.place(result, Layout(dp=8, tp=8, sequence_parallel=True, zero=1))
     assert rank == 1 + sum(x.step_s < c.step_s for x in result.ranked) and rank > 1
     first, same = result.rank_of(dp=result.best.layout.dp, cp=result.best.layout.cp)
     assert first == 1 and same is result.best
@@ -59,7 +59,7 @@ def test_a_given_layout_is_placed_and_ranked():
     assert cells[result.best.layout.tp, result.best.layout.pp] is result.best
     assert all(c.step_s >= result.best.step_s for c in cells.values())
     with pytest.raises(ValueError, match="does not fit: .* GB > 80 GB per GPU"):
-        layout_search.place(result, Layout(dp=8, tp=8, sp=True), recompute="none")
+        layout_search.place(result, Layout(dp=8, tp=8, sequence_parallel=True), recompute="none")
 
 
 def test_fp8_gathers_make_zero3_cheaper_in_the_search():

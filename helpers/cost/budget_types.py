@@ -26,14 +26,14 @@ class Layout:
     ep: int = 1
     vpp: int = 1                 # virtual pipeline stages per rank (interleaved 1F1B)
     zero: int = 0
-    sp: bool = False             # sequence parallelism (needs tp > 1)
+    sequence_parallel: bool = False  # sequence parallelism (needs tp > 1)
     schedule: str = "1f1b"       # "1f1b" or "gpipe"; vpp > 1 means interleaved 1F1B
 
     def __post_init__(self):
         for f in ("dp", "tp", "pp", "cp", "ep", "vpp"):
             whole_number(f"Layout: {f}", getattr(self, f), least=1)
         layout_rules.zero_stage(self.zero)
-        layout_rules.sequence_parallel(self.sp, self.tp)
+        layout_rules.sequence_parallel(self.sequence_parallel, self.tp)
         layout_rules.virtual_stages(self.vpp, self.pp)
         if self.schedule not in ("1f1b", "gpipe"):
             raise ValueError(f"schedule must be '1f1b' or 'gpipe', got {self.schedule!r}")

@@ -74,7 +74,8 @@ def parser() -> argparse.ArgumentParser:
         layout.add_argument(f"--{flag}", type=_whole(1), default=1)
     layout.add_argument("--dp", type=_whole(1))
     layout.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=1, help="ZeRO stage over dp·cp")
-    layout.add_argument("--sp", action="store_true", help="sequence parallelism (needs tp > 1)")
+    layout.add_argument("--sp", dest="sequence_parallel", action="store_true",
+                        help="sequence parallelism (needs tp > 1)")
     layout.add_argument("--recompute", choices=("none", "selective", "full"), default="none")
     layout.add_argument("--precision", choices=list(PRECISIONS), default="bf16")
     out = p.add_argument_group("what to print")
@@ -120,7 +121,7 @@ def config(argv: list[str]) -> dict:
         raise InputError(f"world size {args.gpus} is not a multiple of tp*pp*cp = {args.tp}*{args.pp}*"
                          f"{args.cp} = {n}: dp would not be whole")
     layout = Layout(dp=args.dp or args.gpus // n, tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep,
-                    vpp=args.vpp, zero=args.zero, sp=args.sp)
+                    vpp=args.vpp, zero=args.zero, sequence_parallel=args.sequence_parallel)
     return dict(args=args, model=model, published=published, gpu=gpu, cluster=cluster, layout=layout,
                 batch=Batch(args.seq, args.micro_batch, args.global_batch),
                 precision=PRECISIONS[args.precision],
@@ -172,7 +173,8 @@ def evaluate(c: dict) -> dict:
 
 def _layout_json(L: Layout, c: dict) -> dict:
     return {"dp": L.dp, "tp": L.tp, "pp": L.pp, "vpp": L.vpp, "cp": L.cp, "ep": L.ep, "zero": L.zero,
-            "sp": L.sp, "recompute": c["act"].recompute, "precision": c["args"].precision}
+            "sequence_parallel": L.sequence_parallel, "recompute": c["act"].recompute,
+            "precision": c["args"].precision}
 
 
 def search(c: dict, top: int) -> list[dict]:
@@ -239,7 +241,8 @@ def text(r: dict) -> str:
                          f"{row['memory_total'] / GB:.1f} GB per GPU: {row['why']}")
         return "\n".join(lines)
     lines.append(f"layout dp={L['dp']} tp={L['tp']} pp={L['pp']} vpp={L['vpp']} cp={L['cp']} ep={L['ep']}, "
-                 f"ZeRO-{L['zero']}, SP {'on' if L['sp'] else 'off'}, recompute {L['recompute']}, "
+                 f"ZeRO-{L['zero']}, SP {'on' if L['sequence_parallel'] else 'off'}, "
+                 f"recompute {L['recompute']}, "
                  f"{L['precision']}; {r['micro_batches']} micro-batches per step")
     lines += ["", f"{'memory per GPU (busiest pipeline stage)':44s}       GB  chapter"]
     for k, v in r["memory"].items():

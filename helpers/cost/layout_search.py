@@ -60,7 +60,7 @@ class Candidate:
 
     def describe(self) -> str:
         L = self.layout
-        parts = [f"dp={L.dp}", f"tp={L.tp}{'+sp' if L.sp else ''}", f"pp={L.pp}"]
+        parts = [f"dp={L.dp}", f"tp={L.tp}{'+sp' if L.sequence_parallel else ''}", f"pp={L.pp}"]
         parts += [f"vpp={L.vpp}"] if L.vpp > 1 else []
         parts += [f"cp={L.cp}"] if L.cp > 1 else []
         parts += [f"ep={L.ep}"] if L.ep > 1 else []
@@ -175,15 +175,16 @@ def search(model: ModelShape, cluster: Cluster, world_size: int, seq_len: int, g
     ranked, n_budgets, n_fit, least = [], 0, 0, None
     for dp, tp, pp, cp, ep in shapes:
         base = Layout(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep)
-        frugal = _evaluate(model, Batch(seq_len, 1, global_batch), replace(base, zero=3, sp=tp > 1), "full",
-                           precision, cluster, memory, world_size, allowance)
+        frugal = _evaluate(model, Batch(seq_len, 1, global_batch),
+                           replace(base, zero=3, sequence_parallel=tp > 1), "full", precision, cluster,
+                           memory, world_size, allowance)
         n_budgets += 1
         if not isinstance(frugal, Budget) and prune:
             if frugal is not None:
                 least = frugal if least is None else min(least, frugal)
             continue
         n_fit += isinstance(frugal, Budget)
-        for micro_batch, vpp, sp in _variants(model, tp, pp, micro_batches, vpps):
+        for micro_batch, vpp, sequence_parallel in _variants(model, tp, pp, micro_batches, vpps):
             if global_batch % (dp * micro_batch):
                 continue
             batch = Batch(seq_len, micro_batch, global_batch)
@@ -191,7 +192,7 @@ def search(model: ModelShape, cluster: Cluster, world_size: int, seq_len: int, g
             for zero in (z for z in zeros if z == 0 or dp * cp > 1):
                 if sharded_enough and zero < 3 and prune:
                     continue
-                layout = replace(base, vpp=vpp, sp=sp, zero=zero)
+                layout = replace(base, vpp=vpp, sequence_parallel=sequence_parallel, zero=zero)
                 for recompute in RECOMPUTE:
                     b = _evaluate(model, batch, layout, recompute, precision, cluster, memory, world_size,
                                   allowance)

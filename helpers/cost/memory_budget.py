@@ -45,7 +45,8 @@ def validate(model: ModelShape, batch: Batch, layout: Layout, world_size: int | 
     layout_rules.pipeline_parallel(L.pp * L.vpp, model.n_layers, of=model.name, pp=L.pp, vpp=L.vpp)
     layout_rules.context_parallel(L.cp, batch.seq_len)
     layout_rules.tensor_parallel(L.tp, model.n_heads, model.n_kv_heads, model.d_ff, model.vocab_size,
-                                 seq_len=batch.seq_len // L.cp if L.sp else None, of=model.name)
+                                 seq_len=batch.seq_len // L.cp if L.sequence_parallel else None,
+                                 of=model.name)
     if L.ep > 1 and not model.n_experts:
         raise ValueError(f"ep={L.ep} > 1 but {model.name} has no experts")
     if model.n_experts:
@@ -62,18 +63,18 @@ def validate(model: ModelShape, batch: Batch, layout: Layout, world_size: int | 
 # --------------------------------------------------------------------------------------------- activations
 
 def layer_activation_bytes(model: ModelShape, seq_len: int, micro_batch: int, act: ActivationModel,
-                           precision: Precision = BF16, tp: int = 1, sp: bool = False, cp: int = 1,
-                           moe: bool = False) -> int:
+                           precision: Precision = BF16, tp: int = 1, sequence_parallel: bool = False,
+                           cp: int = 1, moe: bool = False) -> int:
     """Bytes one transformer layer saves for backward, on one rank, for one micro-batch.
 
     The itemisation follows Korthikanti et al. 2022, section 4.1: each tensor a layer keeps is listed with
-    the factor that divides it under tensor parallelism (``tp``), sequence parallelism (``sp``: the tensors
-    outside the tensor-parallel region are split too) and context parallelism (``cp``: each rank keeps its
-    ``seq_len / cp`` queries, and attends to all ``seq_len`` keys).
+    the factor that divides it under tensor parallelism (``tp``), sequence parallelism
+    (``sequence_parallel``: the tensors outside the tensor-parallel region are split too) and context
+    parallelism (``cp``: each rank keeps its ``seq_len / cp`` queries, and attends to all ``seq_len`` keys).
     """
     s, b, h, e = seq_len // cp, micro_batch, model.d_model, precision.act_bytes
     sbh = s * b * h
-    outside_divisor = tp if sp else 1
+    outside_divisor = tp if sequence_parallel else 1
     if act.recompute == "full":
         return sbh * e // outside_divisor  # only the layer's input
     lin = 1 if precision.fp8 else e  # a saved input of a linear layer (FP8 recipes keep it in one byte)
@@ -163,9 +164,9 @@ def budget(model: ModelShape, batch: Batch, layout: Layout, precision: Precision
     expert_dp = L.dp * L.cp // L.ep              # ... and expert parameters
 
     # activations of one layer, dense or MoE, for one micro-batch on this rank
-    dense_layer = layer_activation_bytes(model, batch.seq_len, batch.micro_batch, act, P, L.tp, L.sp, L.cp)
-    moe_layer = layer_activation_bytes(model, batch.seq_len, batch.micro_batch, act, P, L.tp, L.sp, L.cp,
-                                       moe=True)
+    dense_layer, moe_layer = (layer_activation_bytes(model, batch.seq_len, batch.micro_batch, act, P, L.tp,
+                                                     L.sequence_parallel, L.cp, moe=moe)
+                              for moe in (False, True))
     worst = None
     if stage is not None and not 0 <= stage < L.pp:
         raise ValueError(f"stage {stage} does not exist with pp={L.pp}")

@@ -161,8 +161,8 @@ def data_parallel_traffic(n_params: int, dp: int, zero: int, m: int, precision, 
     return [DPTransfer(label, nbytes, k, times, behind) for nbytes, k, times, behind in plan]
 
 
-def tensor_parallel_traffic(x_bytes: int, tp: int, sp: bool, layers: int, m: int, recompute: str = "none",
-                            embedding: bool = True) -> tuple[float, int]:
+def tensor_parallel_traffic(x_bytes: int, tp: int, sequence_parallel: bool, layers: int, m: int,
+                            recompute: str = "none", embedding: bool = True) -> tuple[float, int]:
     """Bytes one rank sends per step and its message steps, for ``layers`` layers whose activation tensor
     (one micro-batch, this rank's tokens) is ``x_bytes``.
 
@@ -175,12 +175,12 @@ def tensor_parallel_traffic(x_bytes: int, tp: int, sp: bool, layers: int, m: int
     charges the busiest stage's layers and the costlier end, the head.
     """
     all_reduce = ring_all_reduce_bytes(x_bytes, tp)  # = an all-gather + a reduce-scatter of x
-    regather = ring_all_gather_bytes(x_bytes, tp) if sp else 0
+    regather = ring_all_gather_bytes(x_bytes, tp) if sequence_parallel else 0
     n_layer = 4 + (2 if recompute == "full" else 0)  # all-reduces, or all-gather/reduce-scatter pairs
     head = all_reduce + regather
     sent = m * (layers * (n_layer * all_reduce + 2 * regather) + head + (all_reduce if embedding else 0))
     pairs = layers * n_layer + (2 if embedding else 1)
-    return sent, m * (2 * pairs + ((2 * layers + 1) if sp else 0)) * (tp - 1)
+    return sent, m * (2 * pairs + ((2 * layers + 1) if sequence_parallel else 0)) * (tp - 1)
 
 
 def pipeline_traffic(boundary_bytes: int, vpp: int, m: int) -> tuple[float, int]:
@@ -218,16 +218,16 @@ def traffic(model, batch, L, P, act, dense: int, expert: int, m: int):
     x = batch.micro_batch * s_rank * model.d_model * P.act_bytes  # one activation tensor of a micro-batch
     stage = max(stage_layers(model.n_layers, L.pp), key=len)  # the busiest stage
     if L.tp > 1:
-        sent["tp"], steps["tp"] = tensor_parallel_traffic(x, L.tp, L.sp, len(stage), m, act.recompute,
-                                                          embedding=L.pp == 1)
+        sent["tp"], steps["tp"] = tensor_parallel_traffic(x, L.tp, L.sequence_parallel, len(stage), m,
+                                                          act.recompute, embedding=L.pp == 1)
     if L.pp > 1:
-        sent["pp"], steps["pp"] = pipeline_traffic(x // (L.tp if L.sp else 1), L.vpp, m)
+        sent["pp"], steps["pp"] = pipeline_traffic(x // (L.tp if L.sequence_parallel else 1), L.vpp, m)
     if L.cp > 1:
         kv_heads = kv_heads_per_rank(model.n_kv_heads, L.tp)  # a replicated KV head travels on every rank
         kv = 2 * batch.micro_batch * s_rank * kv_heads * model.head_dim * P.act_bytes
         sent["cp"], steps["cp"] = context_parallel_traffic(kv, L.cp, len(stage), m)
     if L.ep > 1 and model.n_experts:
-        tokens = batch.micro_batch * s_rank // (L.tp if L.sp else 1)
+        tokens = batch.micro_batch * s_rank // (L.tp if L.sequence_parallel else 1)
         routed = tokens * model.top_k * model.d_model * P.act_bytes
         # the stage with the most MoE layers, which need not be the longest (dense layers come first)
         moe = max(model.moe_layers_in(s) for s in stage_layers(model.n_layers, L.pp))
@@ -306,7 +306,7 @@ def step_time(b: Budget, cluster: Cluster, overlap: bool = True, assumptions: As
         bw, alpha = _link(kind, L, cluster)
         comm[kind] = n_bytes / bw + b.messages[kind] * alpha
     exposed = {k: v for k, v in comm.items() if not k.startswith("dp")}
-    if "tp" in comm and A.tp_overlap and L.sp:
+    if "tp" in comm and A.tp_overlap and L.sequence_parallel:
         # the layers' GEMMs on this rank's share of the step, the same share of the step as compute
         share = profile["linear_s"] / profile["seconds"] if shaped else 0.9
         exposed["tp"] = max(0.0, comm["tp"] - share * compute) + comm["tp"] / L.tp

@@ -138,7 +138,7 @@ class ParallelDims:
     def layout(self) -> memory_budget.Layout:
         """The run as chapter 01's calculator describes a layout (ZB-H1 keeps 1F1B's first-rank peak)."""
         return memory_budget.Layout(dp=self.dp, tp=self.tp, pp=self.pp, cp=self.cp, ep=self.ep, vpp=self.vpp,
-                                    zero=self.zero, sp=self.sequence_parallel,
+                                    zero=self.zero, sequence_parallel=self.sequence_parallel,
                                     schedule="gpipe" if self.schedule == "gpipe" else "1f1b")
 
     def pipeline_schedule(self) -> pipeline_schedules.Schedule:

@@ -93,7 +93,7 @@ def test_the_page_shows_what_the_command_line_prints(page):
         assert (flag not in words) if value == "" else words[words.index(flag) + 1] == value, flag
     assert "--sp" in words
     expected = json.loads(cli(words + ["--json"]).stdout)
-    assert expected["layout"]["dp"] == 2 and expected["layout"]["sp"]
+    assert expected["layout"]["dp"] == 2 and expected["layout"]["sequence_parallel"]
     for key, item in expected["memory"].items():
         assert shown(p, key) == (f"{item['bytes'] / 1e9:.2f} GB", item["bytes"]), key
     assert shown(p, "total") == (f"{expected['memory_total'] / 1e9:.2f} GB", expected["memory_total"])
