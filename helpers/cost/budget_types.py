@@ -1,6 +1,7 @@
 """The dataclasses chapter 01's calculator passes between its parts (chapter 01): how the world is split
-(:class:`Layout`), the bytes of each copy a rank keeps (:class:`Precision`), what a layer saves for backward
-(:class:`ActivationModel`) and one rank's share of a step (:class:`Budget`).
+(:class:`Layout`, made of the run's :class:`Degrees`), the bytes of each copy a rank keeps
+(:class:`Precision`), what a layer saves for backward (:class:`ActivationModel`) and one rank's share of a
+step (:class:`Budget`).
 
 :mod:`helpers.cost.memory_budget` fills a :class:`Budget` and :mod:`helpers.cost.time_model` times it; both
 import these from here, so that neither imports the other's types (the two were an import cycle).
@@ -8,36 +9,56 @@ import these from here, so that neither imports the other's types (the two were 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from helpers import layout_rules
 from helpers.cost.model_size import Batch, ModelShape, whole_number
 
 
 @dataclass(frozen=True)
-class Layout:
-    """How the world is split. ``zero`` is the ZeRO stage over the data-parallel (× context-parallel)
-    ranks."""
+class Degrees:
+    """A run's degrees of parallelism, declared once: chapter 01's :class:`Layout` and chapter 10's
+    ``ParallelDims`` (:mod:`helpers.parallel.parallel_dims`) are both made of these fields and check them by
+    the same rules. How the data-parallel ranks are counted is each one's own: the calculator's one ``dp``,
+    torchtitan's ``dp_replicate`` times ``dp_shard``; and each says which schedules it takes."""
 
-    dp: int = 1
     tp: int = 1
     pp: int = 1
     cp: int = 1
     ep: int = 1
-    vpp: int = 1                 # virtual pipeline stages per rank (interleaved 1F1B)
-    zero: int = 0
+    vpp: int = 1                     # virtual pipeline stages per rank (interleaved 1F1B)
+    zero: int = 0                    # the ZeRO stage over the data-parallel (x context-parallel) ranks
     sequence_parallel: bool = False  # sequence parallelism (needs tp > 1)
-    schedule: str = "1f1b"       # "1f1b" or "gpipe"; vpp > 1 means interleaved 1F1B
+    schedule: str = "1f1b"           # the pipeline's schedule, by name
+
+    def check_degrees(self) -> None:
+        """The rules every description of a run shares (:mod:`helpers.layout_rules`): a ZeRO stage, sequence
+        parallelism inside tensor parallelism, virtual stages inside a pipeline, experts folded onto dp x cp
+        (``dp``: each description's own count of the data-parallel ranks)."""
+        layout_rules.zero_stage(self.zero)
+        layout_rules.sequence_parallel(self.sequence_parallel, self.tp)
+        layout_rules.virtual_stages(self.vpp, self.pp)
+        layout_rules.experts_folded(self.ep, self.dp, self.cp)
+
+    def degree_values(self) -> dict:
+        """The fields of :class:`Degrees`, by name: what another description of the same run is made from."""
+        return {f.name: getattr(self, f.name) for f in fields(Degrees)}
+
+
+@dataclass(frozen=True)
+class Layout(Degrees):
+    """How the world is split, as the calculator counts it: :class:`Degrees` and ``dp`` data-parallel ranks
+    (the ZeRO stage says what they shard). ``schedule`` is "1f1b" or "gpipe"; vpp > 1 means interleaved
+    1F1B."""
+
+    dp: int = 1
 
     def __post_init__(self):
         for f in ("dp", "tp", "pp", "cp", "ep", "vpp"):
             whole_number(f"Layout: {f}", getattr(self, f), least=1)
-        layout_rules.zero_stage(self.zero)
-        layout_rules.sequence_parallel(self.sequence_parallel, self.tp)
-        layout_rules.virtual_stages(self.vpp, self.pp)
         if self.schedule not in ("1f1b", "gpipe"):
             raise ValueError(f"schedule must be '1f1b' or 'gpipe', got {self.schedule!r}")
-        layout_rules.experts_folded(self.ep, self.dp, self.cp)
+        self.check_degrees()
 
     @property
     def world_size(self) -> int:
