@@ -98,8 +98,8 @@ lab: sync
 clean:
 	rm -rf _build notebooks/*.ipynb notebooks/.ipynb_checkpoints
 
-# Chapter 01's calculator on the command line (helpers/calculator.py), e.g.
+# Chapter 01's calculator on the command line (helpers/cost/calculator.py), e.g.
 #   make calc ARGS="--model llama3-70b --gpus 64 --tp 8 --pp 4"     (ARGS="--help": every flag)
 .PHONY: calc
 calc: $(STAMP)
-	@$(PY) -m helpers.calculator $(ARGS)
+	@$(PY) -m helpers.cost.calculator $(ARGS)

@@ -106,9 +106,9 @@ def zero_stage(zero: int) -> None:
         raise ValueError(f"zero must be a ZeRO stage 0, 1, 2 or 3, got {zero}")
 
 
-def sequence_parallel(sp: bool, tp: int) -> None:
+def sequence_parallel(sequence_parallel: bool, tp: int) -> None:
     """Chapter 05: sequence parallelism splits the tokens over the tensor-parallel ranks."""
-    if sp and tp == 1:
+    if sequence_parallel and tp == 1:
         raise ValueError("sequence parallelism shards along the tensor-parallel group: it needs tp > 1")
 
 

@@ -9,10 +9,9 @@ from dataclasses import replace
 import pytest
 import torch
 
-from helpers import memory_budget, model_size, time_model
-from helpers.memory_budget import Layout, budget
-from helpers.model_size import LLAMA3_8B, LLAMA3_70B, LLAMA3_405B, Batch, ModelShape
-from helpers.parallel import pipeline_schedules
+from helpers.cost import memory_budget, model_size, pipeline_schedules, time_model
+from helpers.cost.memory_budget import Layout, budget
+from helpers.cost.model_size import LLAMA3_8B, LLAMA3_70B, LLAMA3_405B, Batch, ModelShape
 from helpers.model import GPT, GPTConfig
 
 
@@ -45,16 +44,16 @@ def test_korthikanti_closed_forms():
     s, b, h, a, t = 2048, 4, 1024, 16, 4
     m = ModelShape("k", 1, h, a, a, 4 * h, 64, gated=False, norm="layernorm")
 
-    def act(t=1, sp=False, r="none"):
+    def act(t=1, sequence_parallel=False, r="none"):
         model = replace(memory_budget.KORTHIKANTI, recompute=r)
-        return memory_budget.layer_activation_bytes(m, s, b, model, memory_budget.BF16, t, sp)
+        return memory_budget.layer_activation_bytes(m, s, b, model, memory_budget.BF16, t, sequence_parallel)
 
     sbh = s * b * h
     assert act() == sbh * 34 + 5 * a * s * s * b
     assert act(t=t) == sbh * 10 + sbh * 24 // t + 5 * a * s * s * b // t
-    assert act(t=t, sp=True) == sbh * 34 // t + 5 * a * s * s * b // t
+    assert act(t=t, sequence_parallel=True) == sbh * 34 // t + 5 * a * s * s * b // t
     assert act(t=t, r="selective") == sbh * 10 + sbh * 24 // t
-    assert act(t=t, sp=True, r="selective") == sbh * 34 // t
+    assert act(t=t, sequence_parallel=True, r="selective") == sbh * 34 // t
     assert act(r="full") == 2 * sbh
 
 
@@ -142,7 +141,7 @@ def test_sequence_parallel_sends_the_backward_regathers_too():
     in backward and one for the LM head's input: 25 % more (chapter 05 books them on the real run)."""
     batch = Batch(4096, 1, 8)
     tp = budget(LLAMA3_8B, batch, Layout(tp=8))
-    sp = budget(LLAMA3_8B, batch, Layout(tp=8, sp=True))
+    sp = budget(LLAMA3_8B, batch, Layout(tp=8, sequence_parallel=True))
     x = 4096 * LLAMA3_8B.d_model * 2  # one activation of a micro-batch, bf16
     m, layers = 8, LLAMA3_8B.n_layers
     assert tp.sent["tp"] == pytest.approx(m * (4 * layers + 2) * 2 * 7 / 8 * x, rel=1e-12)
@@ -166,12 +165,13 @@ def test_interleaved_stages_hold_fewer_chunks_down_the_pipeline():
 
 def test_uneven_pipeline_stages():
     assert [len(r) for r in pipeline_schedules.stage_layers(126, 16)] == [8] * 14 + [7] * 2
-    b = budget(LLAMA3_405B, Batch(8192, 1, 2048), Layout(dp=128, tp=8, pp=16, vpp=2, sp=True, zero=1))
+    b = budget(LLAMA3_405B, Batch(8192, 1, 2048),
+               Layout(dp=128, tp=8, pp=16, vpp=2, sequence_parallel=True, zero=1))
     assert b.params_on_rank > 0
 
 
 def test_step_time_and_mfu_are_sane():
-    b = budget(LLAMA3_70B, Batch(8192, 1, 1024), Layout(dp=8, tp=8, pp=4, zero=1, sp=True))
+    b = budget(LLAMA3_70B, Batch(8192, 1, 1024), Layout(dp=8, tp=8, pp=4, zero=1, sequence_parallel=True))
     t = time_model.step_time(b, time_model.H100)
     assert 0 < t.mfu < time_model.H100.efficiency
     assert t.step_s > t.compute_s
@@ -233,7 +233,7 @@ def test_the_calculator_and_the_module_refuse_a_layout_in_the_same_words(tp, cha
     cfg = replace(cfg, **changes)
     shape = ModelShape.from_gpt(cfg, name="the small GPT")
     module = _message(lambda: tensor_parallel.check_layout(cfg, tp, sequence_parallel))
-    layout = Layout(tp=tp, sp=sequence_parallel)
+    layout = Layout(tp=tp, sequence_parallel=sequence_parallel)
     calculator = _message(lambda: budget(shape, Batch(cfg.seq_len, 1, 1), layout))
     broken, why = module.split(": ", 1)
     assert calculator == f"{broken} of the small GPT: {why}", (calculator, module)
@@ -241,7 +241,7 @@ def test_the_calculator_and_the_module_refuse_a_layout_in_the_same_words(tp, cha
 
 def test_bad_layout_fields_are_refused_at_once():
     with pytest.raises(ValueError, match="needs tp > 1"):
-        Layout(sp=True)
+        Layout(sequence_parallel=True)
     with pytest.raises(ValueError, match="ZeRO stage"):
         Layout(zero=4)
     with pytest.raises(ValueError, match="ep=3 must divide dp\\*cp=4"):
@@ -308,16 +308,16 @@ def test_kv_heads_are_replicated_when_tp_exceeds_them():
     for tp in (1, 2, 4, 8):  # where tp divides the KV heads, one rank holds 1/tp of the layer
         assert model_size._attention_params(m, tp) == model_size._attention_params(m) // tp
     act = replace(EAGER["rmsnorm"], kv_expanded=False)
-    at8, at16 = (memory_budget.layer_activation_bytes(m, 4096, 1, act, memory_budget.BF16, tp=tp, sp=True)
-                 for tp in (8, 16))
+    at8, at16 = (memory_budget.layer_activation_bytes(m, 4096, 1, act, memory_budget.BF16, tp=tp,
+                                                      sequence_parallel=True) for tp in (8, 16))
     kv = 2 * 4096 * hd * 2  # K and V of one head, bf16: the same on a rank at tp=8 and at tp=16
     assert at8 - kv == 2 * (at16 - kv)  # everything else halves
     try:
-        b16 = budget(m, Batch(4096, 1, 8), Layout(tp=16, sp=True, cp=2))
+        b16 = budget(m, Batch(4096, 1, 8), Layout(tp=16, sequence_parallel=True, cp=2))
     except ValueError as refused:  # the layout rules before KV replication
         assert "n_kv_heads=8" in str(refused)
         return
-    b8 = budget(m, Batch(4096, 1, 8), Layout(tp=8, sp=True, cp=2))
+    b8 = budget(m, Batch(4096, 1, 8), Layout(tp=8, sequence_parallel=True, cp=2))
     assert b16.sent["cp"] == b8.sent["cp"]  # each rank passes its one KV head around the ring
     layer16 = model_size._attention_params(m, 16) + m.d_ff * d * 3 // 16 + 2 * d
     layer8 = model_size._attention_params(m, 8) + m.d_ff * d * 3 // 8 + 2 * d

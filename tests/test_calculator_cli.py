@@ -1,4 +1,4 @@
-"""The calculator's command line (helpers/calculator.py, issue 39): every flag, the presets against their
+"""The calculator's command line (helpers/cost/calculator.py, issue 39): every flag, the presets against their
 published sizes, and bad input as one line with exit status 2.
 
 Expected values are written by hand from the formulas on chapter 01's page for a tiny custom model (exact
@@ -13,9 +13,10 @@ import sys
 
 import pytest
 
-from helpers import ROOT, model_size
-from helpers.calculator import main, run
-from helpers.calculator_presets import GPUS, PRESETS
+from helpers import ROOT
+from helpers.cost import model_size
+from helpers.cost.calculator import main, run
+from helpers.cost.calculator_presets import GPUS, PRESETS
 
 # 2 layers, d=64, 4 heads of 16, 2 KV heads, SwiGLU of 128, 256 tokens, untied: per layer attention
 # 64·(64 + 2·32) + 64·64 = 12288, MLP 3·64·128 = 24576, two RMSNorms 128; embedding and head 2·256·64,
@@ -113,15 +114,17 @@ def test_batch_flags_and_full_recomputation():
 
 def test_layout_flags_reach_the_layout_and_the_traffic():
     r = calc("--model", "llama3-70b", "--gpus", "64", "--tp", "8", "--pp", "4")
-    assert {k: r["layout"][k] for k in ("dp", "tp", "pp", "cp", "ep", "vpp", "zero", "sp")} == \
-        dict(dp=2, tp=8, pp=4, cp=1, ep=1, vpp=1, zero=1, sp=False)
+    degrees = ("dp", "tp", "pp", "cp", "ep", "vpp", "zero", "sequence_parallel")
+    assert {k: r["layout"][k] for k in degrees} == \
+        dict(dp=2, tp=8, pp=4, cp=1, ep=1, vpp=1, zero=1, sequence_parallel=False)
     assert set(r["traffic"]) == {"dp", "tp", "pp"}
     assert r["traffic"]["tp"]["link"] == "NVLink" and r["traffic"]["pp"]["link"] == "network"
     # zero 0 on dp=2: a ring all-reduce of the bf16 gradients sends 2(n-1)/n of them, the whole buffer
     z0 = calc("--model", "llama3-70b", "--gpus", "64", "--tp", "8", "--pp", "4", "--zero", "0")
     assert z0["traffic"]["dp"]["bytes"] == z0["memory"]["gradients"]["bytes"]
     sp = calc("--model", "llama3-70b", "--gpus", "64", "--tp", "8", "--pp", "4", "--sp")
-    assert sp["layout"]["sp"] and sp["memory"]["activations"]["bytes"] < r["memory"]["activations"]["bytes"]
+    assert sp["layout"]["sequence_parallel"]
+    assert sp["memory"]["activations"]["bytes"] < r["memory"]["activations"]["bytes"]
     v = calc("--model", "llama3-70b", "--gpus", "64", "--tp", "8", "--pp", "4", "--vpp", "2")
     assert v["step"]["bubble"] == pytest.approx(r["step"]["bubble"] / 2, rel=0.05)  # (pp-1)/(v·m)
     cp = calc("--model", "llama3-70b", "--gpus", "64", "--tp", "8", "--cp", "2", "--pp", "2", "--dp", "2")
@@ -194,15 +197,15 @@ def test_bad_input_is_one_line_naming_the_rule_and_exit_2(words, message, capsys
 
 
 def test_the_module_runs_without_torch_and_exits_2_without_a_traceback(tmp_path):
-    """`python -m helpers.calculator` with torch made unimportable (as in the browser): it runs, and bad
+    """`python -m helpers.cost.calculator` with torch made unimportable (as in the browser): it runs, and bad
     input gives exit status 2 and one line."""
     (tmp_path / "torch.py").write_text("raise ImportError('no torch here')\n")
     env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{ROOT}"}
-    good = subprocess.run([sys.executable, "-m", "helpers.calculator", "--model", "llama3-70b", "--gpus",
+    good = subprocess.run([sys.executable, "-m", "helpers.cost.calculator", "--model", "llama3-70b", "--gpus",
                            "64", "--tp", "8", "--pp", "4"], capture_output=True, text=True, env=env, cwd=ROOT)
     assert good.returncode == 0 and "optimizer states" in good.stdout, good.stderr
-    bad = subprocess.run([sys.executable, "-m", "helpers.calculator", "--model", "llama3-70b", "--gpus", "64",
-                          "--tp", "3"], capture_output=True, text=True, env=env, cwd=ROOT)
+    bad = subprocess.run([sys.executable, "-m", "helpers.cost.calculator", "--model", "llama3-70b", "--gpus",
+                          "64", "--tp", "3"], capture_output=True, text=True, env=env, cwd=ROOT)
     assert bad.returncode == 2 and "Traceback" not in bad.stderr and bad.stderr.count("\n") == 1
 
 
@@ -218,12 +221,13 @@ def test_the_page_gets_every_module_the_calculator_runs_and_every_chapter_it_lin
     """What helpers/tools/calculator_site.py ships to the browser: the modules a budget and a search load
     (matmul_rate and layout_search only when first used; listed in a Python where torch cannot be imported, so
     one that needs torch fails the listing), and a page for each chapter a number links to."""
-    from helpers.calculator_presets import CHAPTERS
+    from helpers.cost.calculator_presets import CHAPTERS
     from helpers.tools import calculator_site
 
     shipped = calculator_site.calculator_sources()
-    for path in ("helpers/calculator.py", "helpers/calculator_presets.py", "helpers/matmul_rate.py",
-                 "helpers/time_model.py", "helpers/parallel/layout_search.py", "helpers/layout_rules.py"):
+    for path in ("helpers/cost/calculator.py", "helpers/cost/calculator_presets.py",
+                 "helpers/cost/matmul_rate.py", "helpers/cost/time_model.py", "helpers/cost/layout_search.py",
+                 "helpers/cost/budget_types.py", "helpers/layout_rules.py"):
         assert path in shipped, path
     pages = calculator_site.chapter_pages()  # notebooks/NN_name.html, from notebooks/NN_name.md
     for nn in set(CHAPTERS.values()):

@@ -4,9 +4,9 @@ and what is allowed (issue 40, item 3)."""
 import numpy as np
 import pytest
 
-from helpers import memory_budget, model_size, time_model
-from helpers.memory_budget import ActivationModel, Layout, Precision
-from helpers.model_size import Batch, ModelShape
+from helpers.cost import memory_budget, model_size, time_model
+from helpers.cost.memory_budget import ActivationModel, Layout, Precision
+from helpers.cost.model_size import Batch, ModelShape
 
 SHAPE = dict(name="m", n_layers=4, d_model=64, n_heads=4, n_kv_heads=4, d_ff=256, vocab_size=256)
 CLUSTER = dict(name="c", gpus_per_node=8, peak_flops=1e15, intra_bw=1e11, inter_bw=1e10)

@@ -110,7 +110,7 @@ TRAINED = {
 
 def _schedule_by_hand(run):
     """The run's schedule from chapter 06's module directly, not through the capstone's table."""
-    from helpers.parallel import pipeline_schedules as ps
+    from helpers.cost import pipeline_schedules as ps
 
     if run.schedule == "interleaved":
         return ps.interleaved_1f1b(run.pp, run.m, run.vpp)

@@ -43,8 +43,8 @@ WHOLE_FILES = {
 # (file, the function or class a call sits in, the collective): why it calls torch directly
 EXCEPTIONS = {
     # timings: a booking is not what is timed, and the slowest rank's time is bookkeeping, not traffic
-    ("helpers/parallel/collective_costs.py", "time_collective", "barrier"): "lines the ranks up to time",
-    ("helpers/parallel/collective_costs.py", "time_collective", "all_reduce"): "the slowest rank's time",
+    ("helpers/cost/collective_costs.py", "time_collective", "barrier"): "lines the ranks up to time",
+    ("helpers/cost/collective_costs.py", "time_collective", "all_reduce"): "the slowest rank's time",
     ("helpers/timing.py", "timed", "barrier"): "lines the ranks up before each timed run",
     ("helpers/timing.py", "slowest", "all_reduce"): "the slowest rank's time",
     ("helpers/tools/bench_rows.py", "ring", "all_reduce"):

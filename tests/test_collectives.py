@@ -14,8 +14,8 @@ import socket
 import pytest
 import torch
 
-from helpers.parallel import collective_costs
-from helpers.parallel.collective_costs import (AlphaBeta, bus_bandwidth, chunk_sizes, cost_terms,
+from helpers.cost import collective_costs
+from helpers.cost.collective_costs import (AlphaBeta, bus_bandwidth, chunk_sizes, cost_terms,
                                                expected_bytes, fit)
 from helpers.parallel.ledger import LEDGER
 

@@ -32,7 +32,8 @@ def _composed(cfg, x, y, m, attention, kind, sequence_parallel, tp_first):
     import torch.distributed as dist
 
     from helpers.model import GPT
-    from helpers.parallel import context_parallel, pipeline_parallel, pipeline_schedules, tensor_parallel
+    from helpers.parallel import context_parallel, pipeline_parallel, tensor_parallel
+    from helpers.cost import pipeline_schedules
     from helpers.parallel.mesh import Mesh
     from helpers.reference import named_grads
 

@@ -40,7 +40,7 @@ def _trained(cfg, run, data, lr):
 
 def _by_hand(run):
     """The run's schedule from chapter 06's module directly, not through the run description."""
-    from helpers.parallel import pipeline_schedules as ps
+    from helpers.cost import pipeline_schedules as ps
 
     if run.schedule == "interleaved":
         return ps.interleaved_1f1b(run.pp, run.m, run.vpp)
@@ -96,7 +96,7 @@ def test_the_run_builds_its_mesh_and_its_layout():
     mesh = run.mesh(world_size=16)
     assert (mesh.names, mesh.shape) == (("pp", "dp_replicate", "dp_shard", "tp"), (2, 2, 2, 2))
     layout = run.layout()
-    assert (layout.dp, layout.tp, layout.pp, layout.sp, layout.zero) == (4, 2, 2, True, 1)
+    assert (layout.dp, layout.tp, layout.pp, layout.sequence_parallel, layout.zero) == (4, 2, 2, True, 1)
     with pytest.raises(ValueError, match=r"holds 2 \* 2 \* 2 \* 2 = 16 ranks, but the world has 8"):
         run.mesh(world_size=8)
     with pytest.raises(ValueError, match=r"interleaved 1F1B needs m=3 to be a multiple of p=2"):

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from conftest import assert_close_to_scale, seeded_batch, small_config
-from helpers import memory_budget, model_size
+from helpers.cost import memory_budget, model_size
 from helpers.model import GPT, GPTConfig
 from helpers.parallel import blockwise_attention, context_parallel
 

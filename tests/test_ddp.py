@@ -58,7 +58,7 @@ def _data_parallel_step(cfg, x, y, version, cap_bytes, micro_batches=1):
     from helpers.data import rank_rows
     from helpers.model import GPT
     from helpers.parallel import collectives, data_parallel
-    from helpers.parallel.collective_costs import expected_bytes
+    from helpers.cost.collective_costs import expected_bytes
     from helpers.parallel.ledger import LEDGER
     from helpers.reference import named_grads
 

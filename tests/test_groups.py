@@ -42,7 +42,8 @@ def _on_two_groups(cfg, moe_cfg, batches):
     import torch.distributed as dist
 
     from helpers.model import GPT
-    from helpers.parallel import expert_parallel, moe, pipeline_parallel, pipeline_schedules, tensor_parallel
+    from helpers.parallel import expert_parallel, moe, pipeline_parallel, tensor_parallel
+    from helpers.cost import pipeline_schedules
     from helpers.reference import named_grads
 
     made = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # every rank makes every group, in one order

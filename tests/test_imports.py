@@ -1,5 +1,6 @@
-"""The modules under ``helpers/`` import one another without a cycle, and only ``make``'s tools import
-``helpers.tools`` (issue 37, items 3 and 6).
+"""The modules under ``helpers/`` import one another without a cycle, the cost model (``helpers/cost/``)
+imports nothing from ``parallel/`` or ``training/``, and only ``make``'s tools import ``helpers.tools`` (issue
+37, items 3 and 6).
 
 A cycle means two modules can only be understood together, and the first of them imported sees the other half
 built; a function-level or ``TYPE_CHECKING`` import only hides it, so every import statement counts, wherever
@@ -18,10 +19,11 @@ import jupytext
 from helpers import ROOT
 
 # Cycles that are known and not yet broken, each as its modules in sorted order, with the issue that tracks it
-KNOWN_CYCLES = {
-    # issue 37, item 3: chapter 01's calculator, being reworked on its own branch; remove when it is fixed
-    ("helpers.memory_budget", "helpers.time_model"),
-}
+KNOWN_CYCLES: set[tuple[str, ...]] = set()
+
+# The cost model sits below what runs on ranks: these may import it, it imports none of them
+COST = "helpers.cost"
+ABOVE_COST = ("helpers.parallel", "helpers.training")
 
 # What may import helpers.tools from outside it, and why ("what only make runs")
 TOOLS_USERS = {
@@ -111,6 +113,15 @@ def test_every_known_cycle_is_still_there():
     gone = KNOWN_CYCLES - set(cycles(graph()))
     assert not gone, f"tests/test_imports.py lists cycles that are gone (remove them from KNOWN_CYCLES): " \
                      f"{gone}"
+
+
+def test_the_cost_model_imports_nothing_above_it():
+    edges = graph()
+    assert any(name.startswith(COST + ".") for name in edges), f"no module under {COST}"
+    upward = sorted((name, m) for name, imports in edges.items()
+                    if name == COST or name.startswith(COST + ".")
+                    for m in imports if any(m == top or m.startswith(top + ".") for top in ABOVE_COST))
+    assert not upward, f"the cost model ({COST}) imports from {ABOVE_COST}: {upward}"
 
 
 def test_only_make_tools_import_helpers_tools():

@@ -3,10 +3,9 @@ force, where a published layout ranks, and the errors. Pure Python, no ranks; fl
 
 import pytest
 
-from helpers import memory_budget, model_size, time_model
-from helpers.memory_budget import Layout
-from helpers.model_size import LLAMA3_70B, LLAMA3_405B, ModelShape
-from helpers.parallel import layout_search
+from helpers.cost import layout_search, memory_budget, model_size, time_model
+from helpers.cost.memory_budget import Layout
+from helpers.cost.model_size import LLAMA3_70B, LLAMA3_405B, ModelShape
 
 TINY = ModelShape("tiny", n_layers=2, d_model=64, n_heads=4, n_kv_heads=4, d_ff=256, vocab_size=256)
 # two GPUs on one node, fast links, no latency: every overhead is as small as it can be but not zero
@@ -52,7 +51,7 @@ def test_the_prunings_keep_the_brute_forces_best():
 
 def test_a_given_layout_is_placed_and_ranked():
     result = layout_search.search(LLAMA3_70B, time_model.H100, 64, seq_len=8192, global_batch=128)
-    rank, c = layout_search.place(result, Layout(dp=8, tp=8, sp=True, zero=1))
+    rank, c = layout_search.place(result, Layout(dp=8, tp=8, sequence_parallel=True, zero=1))
     assert rank == 1 + sum(x.step_s < c.step_s for x in result.ranked) and rank > 1
     first, same = result.rank_of(dp=result.best.layout.dp, cp=result.best.layout.cp)
     assert first == 1 and same is result.best
@@ -60,7 +59,7 @@ def test_a_given_layout_is_placed_and_ranked():
     assert cells[result.best.layout.tp, result.best.layout.pp] is result.best
     assert all(c.step_s >= result.best.step_s for c in cells.values())
     with pytest.raises(ValueError, match="does not fit: .* GB > 80 GB per GPU"):
-        layout_search.place(result, Layout(dp=8, tp=8, sp=True), recompute="none")
+        layout_search.place(result, Layout(dp=8, tp=8, sequence_parallel=True), recompute="none")
 
 
 def test_fp8_gathers_make_zero3_cheaper_in_the_search():

@@ -18,7 +18,7 @@ import torch
 
 from conftest import assert_close_to_scale, seeded_batch, small_config
 from helpers.parallel import expert_parallel, moe
-from helpers.parallel.collective_costs import all_to_all_bytes
+from helpers.cost.collective_costs import all_to_all_bytes
 from helpers.reference import named_grads
 
 # the tests' small GPT, its MLPs four experts of d_ff 32; capacity factor 1 drops tokens

@@ -26,7 +26,8 @@ import torch
 from conftest import assert_close_to_scale, seeded_batch, small_config
 from helpers import measure
 from helpers.model import GPT, GPTConfig
-from helpers.parallel import pipeline_parallel, pipeline_schedules, pipeline_timeline
+from helpers.parallel import pipeline_parallel, pipeline_timeline
+from helpers.cost import pipeline_schedules
 from helpers.reference import named_grads
 
 CFG = small_config(n_layers=4, tie_embeddings=False)

@@ -9,9 +9,9 @@ from dataclasses import replace
 
 import pytest
 
-from helpers import ROOT, memory_budget, model_size, published_runs, time_model
-from helpers.matmul_rate import gemm_seconds
-from helpers.parallel import layout_search
+from helpers import ROOT
+from helpers.cost import layout_search, memory_budget, model_size, published_runs, time_model
+from helpers.cost.matmul_rate import gemm_seconds
 
 FIT = [r for r in published_runs.RUNS if r.role == "fit"]
 HELD_OUT = [r for r in published_runs.RUNS if r.role == "held-out"]
@@ -94,7 +94,8 @@ def test_the_search_tries_every_valid_vpp():
 def test_the_bubble_is_p_minus_1_over_v_m_of_the_compute_for_any_vpp():
     for vpp in (1, 3, 7):
         b = memory_budget.budget(model_size.LLAMA3_405B, model_size.Batch(8192, 1, 2048),
-                                 memory_budget.Layout(dp=128, tp=8, pp=16, vpp=vpp, sp=True, zero=1),
+                                 memory_budget.Layout(dp=128, tp=8, pp=16, vpp=vpp, sequence_parallel=True,
+                                                      zero=1),
                                  act=memory_budget.ActivationModel(recompute="full"))
         t = time_model.step_time(b, time_model.H100)
         assert t.bubble_s == pytest.approx(15 / (vpp * 16) * t.compute_s, rel=1e-12)
@@ -109,14 +110,14 @@ def test_a_gemm_is_priced_by_its_flops_and_its_bytes():
     effs = []
     for tp in (1, 2, 4, 8):
         b = memory_budget.budget(model_size.LLAMA3_70B, model_size.Batch(8192, 1, 64),
-                                 memory_budget.Layout(dp=64 // tp, tp=tp, sp=tp > 1, zero=3))
+                                 memory_budget.Layout(dp=64 // tp, tp=tp, sequence_parallel=tp > 1, zero=3))
         effs.append(time_model.step_time(b, time_model.H100).matmul_efficiency)
     assert effs == sorted(effs, reverse=True) and effs[0] < time_model.H100.efficiency
 
 
 def test_tensor_parallel_overlap_leaves_one_chunk_exposed():
     b = memory_budget.budget(model_size.LLAMA3_70B, model_size.Batch(8192, 1, 64),
-                             memory_budget.Layout(dp=8, tp=8, sp=True, zero=1))
+                             memory_budget.Layout(dp=8, tp=8, sequence_parallel=True, zero=1))
     on = time_model.step_time(b, time_model.H100)
     off = time_model.step_time(b, time_model.H100, assumptions=time_model.Assumptions(tp_overlap=False))
     assert off.exposed_s["tp"] == on.comm_s["tp"]

@@ -1,6 +1,6 @@
 /* The page "Try the calculator" (book/calculator.md): reads the form into the command line's words, runs
-   helpers.calculator.page(words) in Pyodide, and draws the report it returns. No arithmetic here: every
-   number on the page is one the Python computed (`python -m helpers.calculator --json` prints the same).
+   helpers.cost.calculator.page(words) in Pyodide, and draws the report it returns. No arithmetic here: every
+   number on the page is one the Python computed (`python -m helpers.cost.calculator --json` prints the same).
    helpers/tools/calculator_site.py writes _static/calculator/ (Pyodide, its runtime, the Python sources). */
 (function () {
   "use strict";
@@ -109,7 +109,7 @@
 
   function compute(extra) {
     const w = words().concat(extra || []);
-    $("calc-command").textContent = "python -m helpers.calculator " + w.join(" ");
+    $("calc-command").textContent = "python -m helpers.cost.calculator " + w.join(" ");
     const r = JSON.parse(calculator.page(JSON.stringify(w)));
     const target = extra ? $("calc-search") : $("calc-result");
     if (r.error) {
@@ -139,7 +139,7 @@
       pyodide.FS.writeFile("/calculator/" + path, text);
     }
     pyodide.runPython("import sys; sys.path.insert(0, '/calculator')");
-    calculator = pyodide.pyimport("helpers.calculator");
+    calculator = pyodide.pyimport("helpers.cost.calculator");
     performance.mark("calculator: modules imported");
     $("calc-compute").disabled = $("calc-search-button").disabled = false;
     $("calc-form").addEventListener("submit", (e) => { e.preventDefault(); later("Computing…", () => compute()); });

@@ -11,7 +11,7 @@ and NCCL use (Thakur, Rabenseifner and Gropp 2005; Patarasuk and Yuan 2009):
   latency-bound contrast to the ring.
 
 Buffers are flat: a tensor is reduced or gathered as ``tensor.reshape(-1)``, split into chunks as
-``torch.tensor_split`` splits (:func:`helpers.parallel.collective_costs.chunk_sizes`), so sizes that do not
+``torch.tensor_split`` splits (:func:`helpers.cost.collective_costs.chunk_sizes`), so sizes that do not
 divide by the world size work. Ranks are numbered within ``group`` (the whole world by default).
 """
 

@@ -29,9 +29,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from helpers.cost import pipeline_schedules
 from helpers.data import rank_rows
 from helpers.parallel import (context_parallel, data_parallel, expert_parallel, pipeline_parallel,
-                              pipeline_schedules, tensor_parallel, zero)
+                              tensor_parallel, zero)
 from helpers.parallel.ledger import LEDGER
 from helpers.parallel.mesh import MESH_ORDER, Mesh
 from helpers.parallel.moe import MoEGPT

@@ -3,7 +3,7 @@
 Every point-to-point message of the book's from-scratch collectives goes through :meth:`Ledger.exchange`,
 which posts the sends and receives with ``batch_isend_irecv`` and writes one :class:`Message` per send and
 per receive into the process's ledger, :data:`LEDGER`. The bytes a rank sent and received are therefore
-*counted* by the code that moved them, and :func:`helpers.parallel.collective_costs.expected_bytes` gives
+*counted* by the code that moved them, and :func:`helpers.cost.collective_costs.expected_bytes` gives
 what the algorithm's formula says they should be, exactly, uneven chunks included.
 
 A chapter that calls ``torch.distributed``'s own collectives, whose messages nobody here can see, *books* each
@@ -14,7 +14,7 @@ a ring or tree would move, never what gloo or NCCL moved, so a booking's bytes m
 the formula that produced them. :meth:`Ledger.booked` lists the bookings; ``totals(..., counted=True)`` adds
 up counted messages only. Code that moves a message itself, outside :meth:`exchange` (the tagged sends and
 receives of :mod:`helpers.parallel.comms`), counts it with :meth:`Ledger.count`. What each collective costs in
-time is :mod:`helpers.parallel.collective_costs`.
+time is :mod:`helpers.cost.collective_costs`.
 
     from helpers.parallel.ledger import LEDGER
     LEDGER.record("all_reduce", grads)                 # book a torch collective a chapter called
@@ -28,7 +28,7 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass
 
-from helpers.parallel.collective_costs import all_to_all_bytes, expected_bytes
+from helpers.cost.collective_costs import all_to_all_bytes, expected_bytes
 
 
 @dataclass(frozen=True)
@@ -121,7 +121,7 @@ class Ledger:
 
         What the booking proves comes from the objects passed: the name, the group's global ranks, and the
         buffer's number of elements, dtype and element size. The bytes booked are the formula's
-        (:func:`~helpers.parallel.collective_costs.expected_bytes`) for the bandwidth-optimal algorithm of
+        (:func:`~helpers.cost.collective_costs.expected_bytes`) for the bandwidth-optimal algorithm of
         that name, marked ``counted=False``:
         what a ring (or tree, for broadcast and reduce) would move, not a count of what did.
         """
@@ -141,7 +141,7 @@ class Ledger:
 
         ``tensor`` is the input (rows along dim 0); split ``j`` of it goes to rank ``j`` and this rank's own
         split stays, so its bytes are not counted
-        (:func:`~helpers.parallel.collective_costs.all_to_all_bytes`).
+        (:func:`~helpers.cost.collective_costs.all_to_all_bytes`).
         """
         import torch.distributed as dist
 

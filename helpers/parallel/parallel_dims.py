@@ -5,14 +5,15 @@ torchtitan describes a job's parallelism by one dataclass, ``ParallelDims`` (``t
 parallel_dims.py``, read at commit 0119de1: the degrees ``dp_replicate, dp_shard, cp, tp, pp, ep, etp`` and
 the world size, checked in ``__post_init__`` to multiply to it, and ``build_mesh``, which makes the device
 meshes from them). :class:`ParallelDims` here holds the same degrees (no ``etp``: the book's experts are not
-tensor-parallel), in the mesh's order, the world's size given where a mesh is made, and what the book's
+tensor-parallel), those it shares with chapter 01's calculator declared once in
+:class:`helpers.cost.budget_types.Degrees`, the world's size given where a mesh is made, and what the book's
 composition also needs to know about a run: chapter 06's pipeline schedule, its virtual stages ``vpp`` and the
 micro-batches ``m``; chapter 05's sequence parallelism; chapter 04's ZeRO stage; recomputation; the precision
 and the device; chapter 07's attention core and layout, and which group averages the gradients.
 
 - Making one validates it (``__post_init__``): the choices, then every degree's rule through the one place
-  that states it, ``helpers.layout_rules``, which the calculator's :class:`helpers.memory_budget.Layout` calls
-  too, so an error reads the same in chapters 01, 10 and 15. :meth:`ParallelDims.check` adds the rules
+  that states it, ``helpers.layout_rules``, which the calculator's :class:`helpers.cost.budget_types.Layout`
+  calls too, so an error reads the same in chapters 01, 10 and 15. :meth:`ParallelDims.check` adds the rules
   that need the model and the batch (chapter 01's ``memory_budget.validate``), the world's size (the mesh's)
   and chapter 06's schedule.
 - :meth:`ParallelDims.mesh` is chapter 10's :class:`~helpers.parallel.mesh.Mesh` of the run (``make_groups()``
@@ -27,8 +28,9 @@ from dataclasses import dataclass
 
 import torch
 
-from helpers import layout_rules, memory_budget
-from helpers.parallel import pipeline_schedules
+from helpers import layout_rules
+from helpers.cost import memory_budget, pipeline_schedules
+from helpers.cost.budget_types import Degrees, Layout
 from helpers.parallel.mesh import FLATTENED, MESH_ORDER, Mesh
 
 SCHEDULES = {"gpipe": pipeline_schedules.gpipe, "1f1b": pipeline_schedules.one_f_one_b,
@@ -60,24 +62,17 @@ def make_schedule(name: str, pp: int, m: int, vpp: int = 1) -> pipeline_schedule
 
 
 @dataclass(frozen=True)
-class ParallelDims:
-    """A run's parallelism: the mesh's degrees (torchtitan's order), the pipeline's schedule, and the rest the
-    composition needs."""
+class ParallelDims(Degrees):
+    """A run's parallelism: chapter 01's :class:`~helpers.cost.budget_types.Degrees` (``tp, pp, cp, ep``,
+    ``vpp``, the ZeRO stage, sequence parallelism, the schedule: one of :data:`SCHEDULES`), the data-parallel
+    ranks as torchtitan counts them, and the rest the composition needs. The mesh's degrees are taken in its
+    order (helpers.parallel.mesh.MESH_ORDER); ep folds onto dp_shard x cp."""
 
-    # the degrees, in the mesh's order (helpers.parallel.mesh.MESH_ORDER); ep folds onto dp_shard x cp
-    pp: int = 1
+    # the data-parallel ranks: replicated (HSDP's outer dimension) times sharded
     dp_replicate: int = 1
     dp_shard: int = 1
-    cp: int = 1
-    tp: int = 1
-    ep: int = 1
-    # the pipeline: chapter 06's schedule, its chunks per rank, the micro-batches of a step
-    schedule: str = "1f1b"
-    vpp: int = 1
+    # the pipeline's micro-batches of a step; recomputation
     m: int = 1
-    # memory: chapter 05's sequence parallelism (inside tp), chapter 04's ZeRO stage, recomputation
-    sequence_parallel: bool = False
-    zero: int = 0
     recompute: str = "none"
     # the numbers and where they live
     precision: str = "fp64"
@@ -92,10 +87,7 @@ class ParallelDims:
         self.check_choices()
         layout_rules.require_positive(**{name: getattr(self, name) for name in MESH_ORDER}, ep=self.ep,
                                       vpp=self.vpp, m=self.m)
-        layout_rules.zero_stage(self.zero)
-        layout_rules.sequence_parallel(self.sequence_parallel, self.tp)
-        layout_rules.virtual_stages(self.vpp, self.pp)
-        layout_rules.experts_folded(self.ep, self.dp, self.cp)
+        self.check_degrees()
         if (self.schedule == "interleaved") != (self.vpp > 1):
             raise ValueError(f"schedule={self.schedule!r} with vpp={self.vpp}: interleaved 1F1B runs "
                              f"vpp >= 2 chunks per rank, GPipe, 1F1B and ZB-H1 one (vpp=1)")
@@ -135,11 +127,11 @@ class ParallelDims:
         """The run's mesh (refused unless its ranks are the world's); ``make_groups()`` makes its groups."""
         return Mesh(tuple(self.degrees().values()), tuple(self.degrees()), world_size=world_size)
 
-    def layout(self) -> memory_budget.Layout:
-        """The run as chapter 01's calculator describes a layout (ZB-H1 keeps 1F1B's first-rank peak)."""
-        return memory_budget.Layout(dp=self.dp, tp=self.tp, pp=self.pp, cp=self.cp, ep=self.ep, vpp=self.vpp,
-                                    zero=self.zero, sp=self.sequence_parallel,
-                                    schedule="gpipe" if self.schedule == "gpipe" else "1f1b")
+    def layout(self) -> Layout:
+        """The run as chapter 01's calculator describes it: the same degrees, ``dp`` counted as one, and the
+        schedule's memory (interleaved is 1F1B with vpp chunks; ZB-H1 keeps 1F1B's first-rank peak)."""
+        return Layout(**{**self.degree_values(), "schedule": "gpipe" if self.schedule == "gpipe" else "1f1b"},
+                      dp=self.dp)
 
     def pipeline_schedule(self) -> pipeline_schedules.Schedule:
         """Chapter 06's schedule of the run, as data."""

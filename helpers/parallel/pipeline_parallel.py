@@ -4,11 +4,11 @@ schedule.
 - :func:`pipeline_chunk` is a slice of the one reference GPT: a copy keeping a run of its blocks, with the
   embeddings only on the first chunk and the final norm and LM head only on the last (the others ``None``),
   under the reference's parameter names; :func:`split_model` cuts a model into chunks of
-  :func:`helpers.parallel.pipeline_schedules.stage_layers`. A tied LM head becomes the last chunk's own copy
+  :func:`helpers.cost.pipeline_schedules.stage_layers`. A tied LM head becomes the last chunk's own copy
   of the embedding; :func:`embedding_group` and :func:`allreduce_embedding_grads` keep the two copies equal,
   as Megatron-LM's embedding group does (the first and the last stage sum their gradients).
 - :func:`run_schedule` runs this rank's (the group's rank) actions of a
-  :class:`helpers.parallel.pipeline_schedules.Schedule`, one :class:`Executor` method per action: F, B or I,
+  :class:`helpers.cost.pipeline_schedules.Schedule`, one :class:`Executor` method per action: F, B or I,
   W. Activations travel forward and their gradients backward by the tagged messages of
   :mod:`helpers.parallel.comms`, counted in the ledger; sends are asynchronous and receives wait, so the rank
   works in the schedule's order. Each action becomes an :class:`helpers.parallel.pipeline_timeline.Event`,
@@ -37,7 +37,7 @@ from helpers import layout_rules
 from helpers.dist import device
 from helpers.model import GPT, GPTConfig, cross_entropy
 from helpers.parallel import comms
-from helpers.parallel.pipeline_schedules import Action, Schedule, stage_layers, validate
+from helpers.cost.pipeline_schedules import Action, Schedule, stage_layers, validate
 from helpers.parallel.pipeline_timeline import Timeline
 
 
@@ -303,7 +303,7 @@ def run_schedule(s: Schedule, chunks: dict[int, GPT], tokens: torch.Tensor, targ
 
     Returns ``(losses, events)``: each micro-batch's loss on the rank that runs the last chunk (else empty),
     and one :class:`helpers.parallel.pipeline_timeline.Event` per action. The schedule is validated first,
-    so a bad one raises a :class:`helpers.parallel.pipeline_schedules.ScheduleError` before any message is
+    so a bad one raises a :class:`helpers.cost.pipeline_schedules.ScheduleError` before any message is
     sent.
     """
     _check_embedding_group(chunks, embedding_group)  # before any message is sent

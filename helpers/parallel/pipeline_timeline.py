@@ -12,7 +12,7 @@ from typing import NamedTuple
 
 from torch.autograd.graph import saved_tensors_hooks
 
-from helpers.parallel.pipeline_schedules import Action
+from helpers.cost.pipeline_schedules import Action
 
 
 class Event(NamedTuple):

@@ -11,8 +11,9 @@ At the end of a build it writes ``_static/calculator/``:
   ``calculator.js`` answers Pyodide's three fetches from this script: the same page works from a disk, from
   ``python -m http.server`` and from GitHub Pages;
 - ``sources.js``: the calculator's Python files, read from ``helpers/`` at build time (the modules that
-  ``import helpers.calculator`` loads, found by importing it with torch made unimportable), and each chapter's
-  page, for the links; never a second copy in the repository, never a second implementation in JavaScript.
+  ``import helpers.cost.calculator`` loads, found by importing it with torch made unimportable), and each
+  chapter's page, for the links; never a second copy in the repository, never a second implementation in
+  JavaScript.
 """
 
 from __future__ import annotations
@@ -42,9 +43,9 @@ CACHE = os.path.join(ROOT, ".venv", f"pyodide-{PYODIDE_VERSION}")
 _LIST_MODULES = """
 import json, sys
 sys.modules['torch'] = None
-import helpers.calculator
-helpers.calculator.run(['--model', 'mixtral-8x7b', '--gpus', '16', '--tp', '2', '--ep', '8'])
-helpers.calculator.run(['--model', 'gpt2', '--gpus', '1', '--global-batch', '8', '--search'])
+import helpers.cost.calculator
+helpers.cost.calculator.run(['--model', 'mixtral-8x7b', '--gpus', '16', '--tp', '2', '--ep', '8'])
+helpers.cost.calculator.run(['--model', 'gpt2', '--gpus', '1', '--global-batch', '8', '--search'])
 print(json.dumps(sorted(m.__file__ for n, m in sys.modules.items() if n.split('.')[0] == 'helpers')))
 """
 
@@ -75,7 +76,7 @@ def pyodide_dir() -> str:
 
 
 def calculator_sources() -> dict[str, str]:
-    """Repository path -> text of every helpers module ``import helpers.calculator`` loads."""
+    """Repository path -> text of every helpers module ``import helpers.cost.calculator`` loads."""
     out = subprocess.run([sys.executable, "-c", _LIST_MODULES], check=True, capture_output=True, text=True,
                          cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT})
     sources = {}
@@ -94,7 +95,7 @@ def chapter_pages() -> dict[str, str]:
 
 def choices() -> dict[str, list[str]]:
     """Flag -> the values the command line accepts, for the page's menus (read from its parser)."""
-    from helpers.calculator import parser
+    from helpers.cost.calculator import parser
 
     return {a.option_strings[0]: [str(c) for c in a.choices] for a in parser()._actions if a.choices}
 

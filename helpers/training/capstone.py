@@ -30,7 +30,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from helpers import layout_rules, model_size
+from helpers import layout_rules
+from helpers.cost import model_size
 from helpers.data import make_tokens
 from helpers.model import GPT, GPTConfig
 from helpers.parallel import composition, pipeline_parallel, tensor_parallel

@@ -1,7 +1,7 @@
 """The page "Try the calculator" as a reader uses it (issue 39): opened from the disk with the network
 blocked, filled in with Llama 3 70B on 64 H100 and a stated layout, it must show the numbers that
-`python -m helpers.calculator --json` prints for the command line the page itself displays, with no console
-error and no request leaving the machine. The time from opening it to its first result is printed, not
+`python -m helpers.cost.calculator --json` prints for the command line the page itself displays, with no
+console error and no request leaving the machine. The time from opening it to its first result is printed, not
 asserted (the book times nothing in a test: a loaded machine would fail it); the wait for it is bounded.
 
 Needs the built book (`make build`, which writes _static/calculator/ through
@@ -33,7 +33,7 @@ pytestmark = pytest.mark.skipif(bool(unavailable), reason=f"BROWSER TEST SKIPPED
 
 
 def cli(words: list[str]) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "helpers.calculator", *words], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "helpers.cost.calculator", *words], capture_output=True,
                           text=True, cwd=ROOT)
 
 
@@ -87,13 +87,13 @@ def test_the_page_shows_what_the_command_line_prints(page):
     p.check("#calc-form input[data-flag='--sp']")
     compute(p, "#calc-compute", "calc-result")
     command = p.inner_text("#calc-command").split()
-    assert command[:3] == ["python", "-m", "helpers.calculator"]
+    assert command[:3] == ["python", "-m", "helpers.cost.calculator"]
     words = command[3:]
     for flag, value in {**FORM, **MENUS}.items():
         assert (flag not in words) if value == "" else words[words.index(flag) + 1] == value, flag
     assert "--sp" in words
     expected = json.loads(cli(words + ["--json"]).stdout)
-    assert expected["layout"]["dp"] == 2 and expected["layout"]["sp"]
+    assert expected["layout"]["dp"] == 2 and expected["layout"]["sequence_parallel"]
     for key, item in expected["memory"].items():
         assert shown(p, key) == (f"{item['bytes'] / 1e9:.2f} GB", item["bytes"]), key
     assert shown(p, "total") == (f"{expected['memory_total'] / 1e9:.2f} GB", expected["memory_total"])

@@ -10,7 +10,7 @@ tokens per micro-batch or per expert), spend a larger share of their time moving
 Attention that materializes its ``s × s`` scores (Megatron-LM 2021's fused softmax) writes and reads them,
 which the same formula prices; flash attention never stores them (Dao et al. 2022) and skips the masked half
 of a causal product, at the efficiency its authors report
-(:attr:`helpers.time_model.Cluster.attention_efficiency`).
+(:attr:`helpers.cost.time_model.Cluster.attention_efficiency`).
 
 :func:`layer_gemms` lists the GEMMs of one layer on one rank for one micro-batch (forward: backward runs two
 of each shape), :func:`compute_profile` prices a whole step's, and :func:`matmul_efficiency` turns it into the
@@ -19,7 +19,7 @@ fraction of the peak its FLOPs run at.
 
 from __future__ import annotations
 
-from helpers.model_size import kv_heads_per_rank
+from helpers.cost.model_size import kv_heads_per_rank
 
 
 def gemm_seconds(m: int, k: int, n: int, peak: float, ceiling: float, hbm_bw: float, bytes_per: int = 2,
@@ -75,13 +75,13 @@ def attention_seconds(model, tokens: int, seq_len: int, tp: int, cluster, flash:
     return flops, per_head * heads * tokens / seq_len
 
 
-def elementwise_bytes(model, tokens: int, tp: int, sp: bool, act_bytes: int = 2) -> float:
+def elementwise_bytes(model, tokens: int, tp: int, sequence_parallel: bool, act_bytes: int = 2) -> float:
     """Bytes one layer's memory-bound operations move in its forward, on one rank: the two norms (read and
     write the activation), the two residual additions (read two, write one) and the MLP's activation (GELU
     reads and writes the hidden tensor; SwiGLU's silu-and-multiply reads two and writes one). Outside the
     tensor-parallel region each rank repeats them on every token unless sequence parallelism splits them
     (Korthikanti et al. 2022, section 4.2.2)."""
-    outside = 10 * tokens * model.d_model // (tp if sp else 1)
+    outside = 10 * tokens * model.d_model // (tp if sequence_parallel else 1)
     inside = (3 if model.gated else 2) * tokens * (model.d_ff * (model.top_k or 1)) // tp
     return act_bytes * (outside + inside)
 
@@ -113,8 +113,8 @@ def compute_profile(model, batch, layout, act, cluster, elementwise: bool = True
     flops += 3 * 2 * tokens * model.d_model * v
     head_s = 3 * gemm_seconds(tokens, model.d_model, v, P.peak_flops, P.efficiency, P.hbm_bw)
     # memory-bound operations: backward moves about twice the forward's bytes
-    other_s = (repeat * model.n_layers * elementwise_bytes(model, tokens, L.tp, L.sp) / P.hbm_bw
-               if elementwise else 0.0)
+    other_s = (repeat * model.n_layers * elementwise_bytes(model, tokens, L.tp, L.sequence_parallel)
+               / P.hbm_bw if elementwise else 0.0)
     return {"flops": flops, "seconds": linear_s + attention_s + head_s + other_s, "linear_s": linear_s,
             "attention_s": attention_s, "elementwise_s": other_s}
 

@@ -15,7 +15,7 @@ and ``β`` from measured ``(collective, bytes, world_size, seconds)`` samples by
 world sizes. Nothing here knows which algorithm gloo or NCCL really runs: booked bytes and fitted
 parameters are those of the model's algorithm.
 
-    from helpers.parallel.collective_costs import expected_bytes, fit, time_collective
+    from helpers.cost.collective_costs import expected_bytes, fit, time_collective
     expected_bytes("ring_all_reduce", numel, world_size, rank)  # (bytes sent, bytes received)
     model = fit(samples)                               # samples: (collective, bytes, world_size, seconds)
     model.time("all_reduce", 16e9, 8)                  # predicted seconds

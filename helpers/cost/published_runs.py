@@ -24,8 +24,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from helpers import memory_budget, time_model
-from helpers.model_size import LLAMA3_8B, LLAMA3_70B, LLAMA3_405B, Batch, ModelShape, step_flops
+from helpers.cost import memory_budget, time_model
+from helpers.cost.model_size import LLAMA3_8B, LLAMA3_70B, LLAMA3_405B, Batch, ModelShape, step_flops
 
 
 def _gpt(name: str, layers: int, hidden: int, heads: int, vocab: int = 51200, seq: int = 2048,
@@ -59,7 +59,7 @@ class Run:
     vpp: int | None = None
     zero: int | None = None
     recompute: str | None = None
-    sp: bool | None = None
+    sequence_parallel: bool | None = None
     precision: memory_budget.Precision = memory_budget.BF16
     attention: str = "flash"
     memory: float = 80e9       # bytes of one GPU
@@ -82,7 +82,7 @@ A100_JEAN_ZAY = replace(A100, name="8x A100 80GB per node, NVLink and 4x100 Gb/s
                         intra_bw=100e9, inter_bw=6.25e9)
 
 _N21 = dict(cluster=A100, seq_len=2048, citation="narayanan2021efficient", counts="hardware", role="fit",
-            recompute="full", zero=0, sp=False, attention="materialized",
+            recompute="full", zero=0, sequence_parallel=False, attention="materialized",
             precision=memory_budget.BF16_FP32_GRADS,
             note="Megatron-LM 2021: fp16, fp32 main gradients, full recomputation (eq. 3 counts it), no SP; "
                  "micro-batch and virtual stages from Megatron-LM's examples/sc21/run_table_1.sh")
@@ -103,7 +103,7 @@ NARAYANAN_2021 = [Run(f"GPT {p} (Megatron-LM)", _gpt(f"GPT {p}", layers, hidden,
 
 
 _L3 = dict(model=LLAMA3_405B, cluster=time_model.H100, tp=8, pp=16, citation="llama3", counts="model",
-           role="fit", sp=True, note="the paper: FSDP over dp, no recomputation or vpp stated")
+           role="fit", sequence_parallel=True, note="the paper: FSDP over dp, no recomputation or vpp stated")
 LLAMA3 = [Run("Llama 3 405B, 8K, 8,192 GPUs", gpus=8192, seq_len=8192, global_batch=2048, dp=64,
               tflops_per_gpu=430, where="Table 4, row 1", **_L3),
           Run("Llama 3 405B, 8K, 16,384 GPUs", gpus=16384, seq_len=8192, global_batch=2048, dp=128,
@@ -113,13 +113,14 @@ LLAMA3 = [Run("Llama 3 405B, 8K, 8,192 GPUs", gpus=8192, seq_len=8192, global_ba
 
 _MTNLG = dict(model=_gpt("MT-NLG 530B", 105, 20480, 128, vocab=50272), cluster=A100, seq_len=2048,
               global_batch=1920, tp=8, pp=35, citation="smith2022mtnlg", counts="hardware", role="held-out",
-              recompute="full", vpp=1, sp=False, attention="materialized",
+              recompute="full", vpp=1, sequence_parallel=False, attention="materialized",
               precision=memory_budget.BF16_FP32_GRADS,
               note="DeepSpeed's pipeline (no interleaving) with Megatron's tensor parallelism")
 BLOOM = Run("BLOOM 176B", _gpt("BLOOM 176B", 70, 14336, 112, vocab=250880, positions=False), A100_JEAN_ZAY,
             gpus=384, seq_len=2048, global_batch=2048, tp=4, pp=12, dp=8, micro_batch=2, tflops_per_gpu=150,
             counts="hardware", citation="bigscience2022bloom", where="the 176B model's summary page",
-            role="held-out", recompute="full", vpp=1, zero=1, sp=False, attention="materialized",
+            role="held-out", recompute="full", vpp=1, zero=1, sequence_parallel=False,
+            attention="materialized",
             note="'about 150 TFLOPs' per GPU; layout, micro-batch 2, full recomputation and bf16 with "
                  "DeepSpeed's ZeRO-1 equivalent from bigscience's train/tr11-176B-ml/tr11-176B-ml.slurm; "
                  "ALiBi")
@@ -136,7 +137,7 @@ LLAMA2_13B = ModelShape("Llama-2 13B", n_layers=40, d_model=5120, n_heads=40, n_
                         vocab_size=32000, source=_LLAMA2)
 LLAMA2_70B = ModelShape("Llama-2 70B", n_layers=80, d_model=8192, n_heads=64, n_kv_heads=8, d_ff=28672,
                         vocab_size=32000, source=_LLAMA2)
-_TT = dict(cluster=A100, gpus=64, tp=1, pp=1, dp=64, zero=3, vpp=1, sp=False, counts="model",
+_TT = dict(cluster=A100, gpus=64, tp=1, pp=1, dp=64, zero=3, vpp=1, sequence_parallel=False, counts="model",
            citation="torchtitan_performance", role="held-out", precision=memory_budget.BF16_FP32_GRADS,
            note="torchtitan, FSDP2 over 64 A100 80GB (network not stated: Selene's assumed); tokens per "
                 "second per GPU (WPS) converted to model TFLOP/s with the calculator's own FLOP count; "
@@ -175,24 +176,27 @@ class Prediction:
 
 def predict(run: Run, assumptions: time_model.Assumptions | None = None, cluster=None) -> Prediction:
     """The calculator's throughput for ``run``: its stated layout, and for each unstated knob the fastest
-    choice that fits in the GPU's memory (less the framework allowance of :mod:`helpers.memory_budget`)."""
-    from helpers.parallel import layout_search
+    choice that fits in the GPU's memory (less the framework allowance of
+    :mod:`helpers.cost.memory_budget`)."""
+    from helpers.cost import layout_search
 
     cluster = cluster or run.cluster
     options = dict(micro_batch=[run.micro_batch] if run.micro_batch else [1, 2, 4],
                    vpp=[run.vpp] if run.vpp else layout_search.valid_vpps(run.model, run.pp),
                    zero=[run.zero] if run.zero is not None else [1, 2, 3],
                    recompute=[run.recompute] if run.recompute else list(layout_search.RECOMPUTE),
-                   sp=[run.sp] if run.sp is not None else [True, False])
+                   sequence_parallel=([run.sequence_parallel] if run.sequence_parallel is not None
+                                      else [True, False]))
     best, need = None, None
     for mb in options["micro_batch"]:
         if run.global_batch % (run.dp * mb):
             continue
         for vpp in options["vpp"]:
             for zero in options["zero"]:
-                for sp in options["sp"]:
+                for sequence_parallel in options["sequence_parallel"]:
                     layout = memory_budget.Layout(dp=run.dp, tp=run.tp, pp=run.pp, cp=run.cp, ep=run.ep,
-                                                  vpp=vpp, zero=zero, sp=sp and run.tp > 1)
+                                                  vpp=vpp, zero=zero,
+                                                  sequence_parallel=sequence_parallel and run.tp > 1)
                     for r in options["recompute"]:
                         act = memory_budget.ActivationModel(attention=run.attention, recompute=r)
                         try:
@@ -254,11 +258,11 @@ def fit_ceiling(runs, cluster_of, assumptions=None, lo: float = 0.3, hi: float =
 
 
 def rank_in_search(run: Run, cluster=None, assumptions=None):
-    """Where ``run``'s published layout ranks in :func:`helpers.parallel.layout_search.search` for its
+    """Where ``run``'s published layout ranks in :func:`helpers.cost.layout_search.search` for its
     model, cluster, GPUs and batch: (rank, layouts kept, the fastest kept layout with the run's degrees and,
     where the source states them, its micro-batch and virtual stages). The search tries micro-batches 1, 2
     and the run's."""
-    from helpers.parallel import layout_search
+    from helpers.cost import layout_search
 
     result = layout_search.search(run.model, cluster or run.cluster, run.gpus, run.seq_len, run.global_batch,
                                   precision=run.precision, memory=run.memory, assumptions=assumptions,

@@ -1,16 +1,17 @@
 """Chapter 01's calculator as a command line: memory per GPU, traffic per step, step time, MFU (chapter 01).
 
-    python -m helpers.calculator --model llama3-70b --gpus 64 --tp 8 --pp 4
-    python -m helpers.calculator --model mixtral-8x7b --gpus 64 --tp 2 --pp 4 --ep 8 --zero 1 --json
-    python -m helpers.calculator --layers 32 --hidden 4096 --heads 32 --kv-heads 8 --ffn 14336 --vocab 128256
-    python -m helpers.calculator --model llama3-70b --gpus 64 --search
+    python -m helpers.cost.calculator --model llama3-70b --gpus 64 --tp 8 --pp 4
+    python -m helpers.cost.calculator --model mixtral-8x7b --gpus 64 --tp 2 --pp 4 --ep 8 --zero 1 --json
+    python -m helpers.cost.calculator --layers 32 --hidden 4096 --heads 32 --kv-heads 8 --ffn 14336 \
+        --vocab 128256
+    python -m helpers.cost.calculator --model llama3-70b --gpus 64 --search
 
 Nothing here is a model of its own: :func:`run` reads the choices into chapter 01's objects
-(:mod:`helpers.model_size`, :mod:`helpers.memory_budget`, :mod:`helpers.time_model`) and the layout search of
-chapter 10 (:mod:`helpers.parallel.layout_search`), and reports what they compute, as a dictionary; the text
-and ``--json`` are two ways of printing it, and the book's page "Try the calculator" runs this very function
-in the reader's browser (Pyodide). Bad input is one line naming the rule it breaks, in the words of
-:mod:`helpers.layout_rules`, and exit status 2. Imports no torch.
+(:mod:`helpers.cost.model_size`, :mod:`helpers.cost.memory_budget`, :mod:`helpers.cost.time_model`) and the
+layout search of chapter 10 (:mod:`helpers.cost.layout_search`), and reports what they compute, as a
+dictionary; the text and ``--json`` are two ways of printing it, and the book's page "Try the calculator" runs
+this very function in the reader's browser (Pyodide). Bad input is one line naming the rule it breaks, in the
+words of :mod:`helpers.layout_rules`, and exit status 2. Imports no torch.
 """
 
 from __future__ import annotations
@@ -20,10 +21,10 @@ import json
 import sys
 from dataclasses import replace
 
-from helpers import memory_budget, model_size, time_model
-from helpers.calculator_presets import CHAPTERS, GPUS, PRECISIONS, PRESETS
-from helpers.memory_budget import ActivationModel, Layout
-from helpers.model_size import Batch, ModelShape
+from helpers.cost import memory_budget, model_size, time_model
+from helpers.cost.calculator_presets import CHAPTERS, GPUS, PRECISIONS, PRESETS
+from helpers.cost.memory_budget import ActivationModel, Layout
+from helpers.cost.model_size import Batch, ModelShape
 
 GB = 1e9
 # the custom shape's flags and the ModelShape field each sets
@@ -53,7 +54,8 @@ def _whole(least: int):
 
 
 def parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="python -m helpers.calculator", description=__doc__.split("\n\n")[0], allow_abbrev=False)
+    p = _Parser(prog="python -m helpers.cost.calculator", description=__doc__.split("\n\n")[0],
+                allow_abbrev=False)
     p.add_argument("--model", choices=sorted(PRESETS), help="a preset; the shape flags below change it")
     shape = p.add_argument_group("a custom shape (or changes to a preset)")
     for flag, least in (("layers", 1), ("hidden", 1), ("heads", 1), ("kv-heads", 1), ("ffn", 1), ("vocab", 1),
@@ -72,7 +74,8 @@ def parser() -> argparse.ArgumentParser:
         layout.add_argument(f"--{flag}", type=_whole(1), default=1)
     layout.add_argument("--dp", type=_whole(1))
     layout.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=1, help="ZeRO stage over dp·cp")
-    layout.add_argument("--sp", action="store_true", help="sequence parallelism (needs tp > 1)")
+    layout.add_argument("--sp", dest="sequence_parallel", action="store_true",
+                        help="sequence parallelism (needs tp > 1)")
     layout.add_argument("--recompute", choices=("none", "selective", "full"), default="none")
     layout.add_argument("--precision", choices=list(PRECISIONS), default="bf16")
     out = p.add_argument_group("what to print")
@@ -118,7 +121,7 @@ def config(argv: list[str]) -> dict:
         raise InputError(f"world size {args.gpus} is not a multiple of tp*pp*cp = {args.tp}*{args.pp}*"
                          f"{args.cp} = {n}: dp would not be whole")
     layout = Layout(dp=args.dp or args.gpus // n, tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep,
-                    vpp=args.vpp, zero=args.zero, sp=args.sp)
+                    vpp=args.vpp, zero=args.zero, sequence_parallel=args.sequence_parallel)
     return dict(args=args, model=model, published=published, gpu=gpu, cluster=cluster, layout=layout,
                 batch=Batch(args.seq, args.micro_batch, args.global_batch),
                 precision=PRECISIONS[args.precision],
@@ -170,12 +173,13 @@ def evaluate(c: dict) -> dict:
 
 def _layout_json(L: Layout, c: dict) -> dict:
     return {"dp": L.dp, "tp": L.tp, "pp": L.pp, "vpp": L.vpp, "cp": L.cp, "ep": L.ep, "zero": L.zero,
-            "sp": L.sp, "recompute": c["act"].recompute, "precision": c["args"].precision}
+            "sequence_parallel": L.sequence_parallel, "recompute": c["act"].recompute,
+            "precision": c["args"].precision}
 
 
 def search(c: dict, top: int) -> list[dict]:
     """The ``top`` fastest layouts that fit (chapter 10's search), each with why it ranks where it does."""
-    from helpers.parallel import layout_search
+    from helpers.cost import layout_search
 
     a = c["args"]
     result = layout_search.search(c["model"], c["cluster"], a.gpus, a.seq, a.global_batch, c["precision"],
@@ -237,7 +241,8 @@ def text(r: dict) -> str:
                          f"{row['memory_total'] / GB:.1f} GB per GPU: {row['why']}")
         return "\n".join(lines)
     lines.append(f"layout dp={L['dp']} tp={L['tp']} pp={L['pp']} vpp={L['vpp']} cp={L['cp']} ep={L['ep']}, "
-                 f"ZeRO-{L['zero']}, SP {'on' if L['sp'] else 'off'}, recompute {L['recompute']}, "
+                 f"ZeRO-{L['zero']}, SP {'on' if L['sequence_parallel'] else 'off'}, "
+                 f"recompute {L['recompute']}, "
                  f"{L['precision']}; {r['micro_batches']} micro-batches per step")
     lines += ["", f"{'memory per GPU (busiest pipeline stage)':44s}       GB  chapter"]
     for k, v in r["memory"].items():

@@ -1,8 +1,9 @@
 """The size of a model: its shape, its parameters and the FLOPs of a training step (chapter 01).
 
-The first of the three parts of chapter 01's calculator: :mod:`helpers.memory_budget` adds what one rank
-keeps, :mod:`helpers.time_model` what a step sends and how long it takes. Counted as exact integers, so that
-chapter 01 can check them against the book's GPT, against published sizes and against PyTorch's FLOP counter.
+The first of the three parts of chapter 01's calculator: :mod:`helpers.cost.memory_budget` adds what one rank
+keeps, :mod:`helpers.cost.time_model` what a step sends and how long it takes. Counted as exact integers, so
+that chapter 01 can check them against the book's GPT, against published sizes and against PyTorch's FLOP
+counter.
 
 - FLOPs: 2 FLOPs per multiply-add of every matmul, backward twice the forward (Kaplan et al. 2020 give the
   resulting 6·N·tokens), plus the attention matmuls (Narayanan et al. 2021).

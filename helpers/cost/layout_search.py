@@ -1,10 +1,11 @@
 """Choosing a layout: every valid layout of a model on a cluster, kept if it fits and ranked by its step time
 (chapter 10).
 
-Nothing here is a new model: a layout fits if chapter 01's calculator (:func:`helpers.memory_budget.budget`)
-says one rank of its busiest stage holds at most ``memory`` bytes, and it is ranked by chapter 01's time model
-(:func:`helpers.time_model.step_time`: compute, exposed communication, pipeline bubble). The rules a layout
-must meet are chapter 01's too (:mod:`helpers.layout_rules`): they prune the grid before any budget is made.
+Nothing here is a new model: a layout fits if chapter 01's calculator
+(:func:`helpers.cost.memory_budget.budget`) says one rank of its busiest stage holds at most ``memory`` bytes,
+and it is ranked by chapter 01's time model (:func:`helpers.cost.time_model.step_time`: compute, exposed
+communication, pipeline bubble). The rules a layout must meet are chapter 01's too
+(:mod:`helpers.layout_rules`): they prune the grid before any budget is made.
 
 What is searched: the degrees ``dp``, ``tp``, ``pp``, ``cp``, ``ep`` (each a divisor of the world size, ``tp``
 within a node), sequence parallelism, ``vpp``, the ZeRO stage, the micro-batch size (hence the micro-batch
@@ -25,10 +26,10 @@ from dataclasses import dataclass, replace
 from itertools import product
 
 from helpers import layout_rules
-from helpers.memory_budget import (BF16, FRAMEWORK_ALLOWANCE, ActivationModel, Budget, Layout, Precision,
+from helpers.cost.memory_budget import (BF16, FRAMEWORK_ALLOWANCE, ActivationModel, Budget, Layout, Precision,
                                    budget)
-from helpers.model_size import Batch, ModelShape
-from helpers.time_model import Assumptions, Cluster, StepTime, step_time
+from helpers.cost.model_size import Batch, ModelShape
+from helpers.cost.time_model import Assumptions, Cluster, StepTime, step_time
 
 RECOMPUTE = ("none", "selective", "full")
 
@@ -59,7 +60,7 @@ class Candidate:
 
     def describe(self) -> str:
         L = self.layout
-        parts = [f"dp={L.dp}", f"tp={L.tp}{'+sp' if L.sp else ''}", f"pp={L.pp}"]
+        parts = [f"dp={L.dp}", f"tp={L.tp}{'+sp' if L.sequence_parallel else ''}", f"pp={L.pp}"]
         parts += [f"vpp={L.vpp}"] if L.vpp > 1 else []
         parts += [f"cp={L.cp}"] if L.cp > 1 else []
         parts += [f"ep={L.ep}"] if L.ep > 1 else []
@@ -174,15 +175,16 @@ def search(model: ModelShape, cluster: Cluster, world_size: int, seq_len: int, g
     ranked, n_budgets, n_fit, least = [], 0, 0, None
     for dp, tp, pp, cp, ep in shapes:
         base = Layout(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep)
-        frugal = _evaluate(model, Batch(seq_len, 1, global_batch), replace(base, zero=3, sp=tp > 1), "full",
-                           precision, cluster, memory, world_size, allowance)
+        frugal = _evaluate(model, Batch(seq_len, 1, global_batch),
+                           replace(base, zero=3, sequence_parallel=tp > 1), "full", precision, cluster,
+                           memory, world_size, allowance)
         n_budgets += 1
         if not isinstance(frugal, Budget) and prune:
             if frugal is not None:
                 least = frugal if least is None else min(least, frugal)
             continue
         n_fit += isinstance(frugal, Budget)
-        for micro_batch, vpp, sp in _variants(model, tp, pp, micro_batches, vpps):
+        for micro_batch, vpp, sequence_parallel in _variants(model, tp, pp, micro_batches, vpps):
             if global_batch % (dp * micro_batch):
                 continue
             batch = Batch(seq_len, micro_batch, global_batch)
@@ -190,7 +192,7 @@ def search(model: ModelShape, cluster: Cluster, world_size: int, seq_len: int, g
             for zero in (z for z in zeros if z == 0 or dp * cp > 1):
                 if sharded_enough and zero < 3 and prune:
                     continue
-                layout = replace(base, vpp=vpp, sp=sp, zero=zero)
+                layout = replace(base, vpp=vpp, sequence_parallel=sequence_parallel, zero=zero)
                 for recompute in RECOMPUTE:
                     b = _evaluate(model, batch, layout, recompute, precision, cluster, memory, world_size,
                                   allowance)

@@ -1,7 +1,7 @@
 """The time model of one training step: what each parallelism sends, and alpha-beta time (chapter 01).
 
-The third of the three parts of chapter 01's calculator, after :mod:`helpers.model_size` and
-:mod:`helpers.memory_budget` (whose :func:`~helpers.memory_budget.budget` calls :func:`traffic`).
+The third of the three parts of chapter 01's calculator, after :mod:`helpers.cost.model_size` and
+:mod:`helpers.cost.memory_budget` (whose :func:`~helpers.cost.memory_budget.budget` calls :func:`traffic`).
 Each kind of parallelism has its traffic formula here, public, and the chapter whose ledger measures that
 traffic shows it and checks it: data parallelism and ZeRO in chapters 03 and 04, tensor parallelism in 05, the
 pipeline in 06, context parallelism in 07, expert parallelism in 08.
@@ -14,22 +14,19 @@ pipeline in 06, context parallelism in 07, expert parallelism in 08.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
-from helpers.model_size import kv_heads_per_rank, whole_number
-from helpers.parallel.collective_costs import cost_terms
-from helpers.parallel.pipeline_schedules import stage_layers
-
-if TYPE_CHECKING:
-    from helpers.memory_budget import Budget, Layout
+from helpers.cost.budget_types import Budget, Layout
+from helpers.cost.collective_costs import cost_terms
+from helpers.cost.model_size import kv_heads_per_rank, whole_number
+from helpers.cost.pipeline_schedules import stage_layers
 
 
 @dataclass(frozen=True)
 class Cluster:
     """Hardware for the time model. Bandwidths are per GPU, in bytes per second, as nccl-tests' bus
     bandwidth. ``efficiency`` is the fraction of the peak the largest GEMMs reach; with ``hbm_bw`` (the
-    memory bandwidth) each GEMM's own rate follows from its shape (:mod:`helpers.matmul_rate`), without it
-    every matmul runs at ``efficiency``."""
+    memory bandwidth) each GEMM's own rate follows from its shape (:mod:`helpers.cost.matmul_rate`), without
+    it every matmul runs at ``efficiency``."""
 
     name: str
     gpus_per_node: int
@@ -59,9 +56,9 @@ class Cluster:
         whole_number(f"Cluster {self.name!r}: gpus_per_node", self.gpus_per_node, least=1)
 
 
-# The ceilings: fitted on the fitting runs of helpers.published_runs (chapter 01 refits them at build, fails
-# when they drift); flash attention at the 50 % of peak FlashAttention-2 reports as its lower end on A100
-# (Dao 2023: 50-73 %). Memory bandwidths from the vendors' datasheets (H100 SXM 3.35 TB/s, A100 80GB
+# The ceilings: fitted on the fitting runs of helpers.cost.published_runs (chapter 01 refits them at build,
+# fails when they drift); flash attention at the 50 % of peak FlashAttention-2 reports as its lower end on
+# A100 (Dao 2023: 50-73 %). Memory bandwidths from the vendors' datasheets (H100 SXM 3.35 TB/s, A100 80GB
 # 2.0 TB/s).
 H100_CEILING, A100_CEILING = 0.654, 0.673
 H100 = Cluster("8x H100 SXM per node, NVLink 4 and 8x400 Gb/s InfiniBand", gpus_per_node=8,
@@ -78,8 +75,8 @@ class Assumptions:
     """The time model's assumptions, each named, cited where production does it, and switchable: a test or a
     page turns one off to see how much it moves a prediction.
 
-    - ``gemm_shape``: each GEMM at its shape's rate (:mod:`helpers.matmul_rate`); off: every matmul at the
-      cluster's ``efficiency``.
+    - ``gemm_shape``: each GEMM at its shape's rate (:mod:`helpers.cost.matmul_rate`); off: every matmul at
+      the cluster's ``efficiency``.
     - ``causal_skip``: a causal flash-attention kernel skips the masked half of the product (FlashAttention-2,
       Dao 2023), though MFU counts all of it; off: it computes the whole square.
     - ``elementwise``: the memory-bound operations (norms, residuals, activations) at the memory bandwidth;
@@ -164,8 +161,8 @@ def data_parallel_traffic(n_params: int, dp: int, zero: int, m: int, precision, 
     return [DPTransfer(label, nbytes, k, times, behind) for nbytes, k, times, behind in plan]
 
 
-def tensor_parallel_traffic(x_bytes: int, tp: int, sp: bool, layers: int, m: int, recompute: str = "none",
-                            embedding: bool = True) -> tuple[float, int]:
+def tensor_parallel_traffic(x_bytes: int, tp: int, sequence_parallel: bool, layers: int, m: int,
+                            recompute: str = "none", embedding: bool = True) -> tuple[float, int]:
     """Bytes one rank sends per step and its message steps, for ``layers`` layers whose activation tensor
     (one micro-batch, this rank's tokens) is ``x_bytes``.
 
@@ -178,12 +175,12 @@ def tensor_parallel_traffic(x_bytes: int, tp: int, sp: bool, layers: int, m: int
     charges the busiest stage's layers and the costlier end, the head.
     """
     all_reduce = ring_all_reduce_bytes(x_bytes, tp)  # = an all-gather + a reduce-scatter of x
-    regather = ring_all_gather_bytes(x_bytes, tp) if sp else 0
+    regather = ring_all_gather_bytes(x_bytes, tp) if sequence_parallel else 0
     n_layer = 4 + (2 if recompute == "full" else 0)  # all-reduces, or all-gather/reduce-scatter pairs
     head = all_reduce + regather
     sent = m * (layers * (n_layer * all_reduce + 2 * regather) + head + (all_reduce if embedding else 0))
     pairs = layers * n_layer + (2 if embedding else 1)
-    return sent, m * (2 * pairs + ((2 * layers + 1) if sp else 0)) * (tp - 1)
+    return sent, m * (2 * pairs + ((2 * layers + 1) if sequence_parallel else 0)) * (tp - 1)
 
 
 def pipeline_traffic(boundary_bytes: int, vpp: int, m: int) -> tuple[float, int]:
@@ -221,16 +218,16 @@ def traffic(model, batch, L, P, act, dense: int, expert: int, m: int):
     x = batch.micro_batch * s_rank * model.d_model * P.act_bytes  # one activation tensor of a micro-batch
     stage = max(stage_layers(model.n_layers, L.pp), key=len)  # the busiest stage
     if L.tp > 1:
-        sent["tp"], steps["tp"] = tensor_parallel_traffic(x, L.tp, L.sp, len(stage), m, act.recompute,
-                                                          embedding=L.pp == 1)
+        sent["tp"], steps["tp"] = tensor_parallel_traffic(x, L.tp, L.sequence_parallel, len(stage), m,
+                                                          act.recompute, embedding=L.pp == 1)
     if L.pp > 1:
-        sent["pp"], steps["pp"] = pipeline_traffic(x // (L.tp if L.sp else 1), L.vpp, m)
+        sent["pp"], steps["pp"] = pipeline_traffic(x // (L.tp if L.sequence_parallel else 1), L.vpp, m)
     if L.cp > 1:
         kv_heads = kv_heads_per_rank(model.n_kv_heads, L.tp)  # a replicated KV head travels on every rank
         kv = 2 * batch.micro_batch * s_rank * kv_heads * model.head_dim * P.act_bytes
         sent["cp"], steps["cp"] = context_parallel_traffic(kv, L.cp, len(stage), m)
     if L.ep > 1 and model.n_experts:
-        tokens = batch.micro_batch * s_rank // (L.tp if L.sp else 1)
+        tokens = batch.micro_batch * s_rank // (L.tp if L.sequence_parallel else 1)
         routed = tokens * model.top_k * model.d_model * P.act_bytes
         # the stage with the most MoE layers, which need not be the longest (dense layers come first)
         moe = max(model.moe_layers_in(s) for s in stage_layers(model.n_layers, L.pp))
@@ -287,7 +284,7 @@ def step_time(b: Budget, cluster: Cluster, overlap: bool = True, assumptions: As
     pipeline bubble, (pp-1)/(vpp*m) of the compute (Narayanan et al. 2021). A data-parallel transfer hides
     only behind the compute in flight with it (:class:`DPTransfer`); ``overlap=False`` is
     ``assumptions.dp_overlap`` off."""
-    from helpers.matmul_rate import compute_profile
+    from helpers.cost.matmul_rate import compute_profile
 
     A = assumptions or DEFAULT
     L, m = b.layout, b.micro_batches
@@ -309,7 +306,7 @@ def step_time(b: Budget, cluster: Cluster, overlap: bool = True, assumptions: As
         bw, alpha = _link(kind, L, cluster)
         comm[kind] = n_bytes / bw + b.messages[kind] * alpha
     exposed = {k: v for k, v in comm.items() if not k.startswith("dp")}
-    if "tp" in comm and A.tp_overlap and L.sp:
+    if "tp" in comm and A.tp_overlap and L.sequence_parallel:
         # the layers' GEMMs on this rank's share of the step, the same share of the step as compute
         share = profile["linear_s"] / profile["seconds"] if shaped else 0.9
         exposed["tp"] = max(0.0, comm["tp"] - share * compute) + comm["tp"] / L.tp

@@ -1,18 +1,17 @@
 """What the calculator's command line and its page can be asked about: models, GPUs, precisions (chapter 01).
 
-Each model preset is a :class:`helpers.model_size.ModelShape` with the published size it is known by and the
-source of both; each GPU a :class:`helpers.time_model.Cluster` with its memory. The shapes of Llama 3,
-Mixtral, DeepSeek-V3 and GPT-2 small are chapter 01's own; the others are added here, from their papers and
-configs.
-``tests/test_calculator_cli.py`` checks every preset's exact count against its published figure.
+Each model preset is a :class:`helpers.cost.model_size.ModelShape` with the published size it is known by and
+the source of both; each GPU a :class:`helpers.cost.time_model.Cluster` with its memory. The shapes of Llama
+3, Mixtral, DeepSeek-V3 and GPT-2 small are chapter 01's own; the others are added here, from their papers and
+configs. ``tests/test_calculator_cli.py`` checks every preset's exact count against its published figure.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from helpers import memory_budget, model_size, time_model
-from helpers.model_size import ModelShape
+from helpers.cost import memory_budget, model_size, time_model
+from helpers.cost.model_size import ModelShape
 
 
 @dataclass(frozen=True)
