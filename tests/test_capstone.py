@@ -36,7 +36,7 @@ VALID = {
 
 @pytest.mark.parametrize("change", VALID.values(), ids=VALID.keys())
 def test_a_changed_configuration_still_validates(change):
-    run = capstone.Run(**change)
+    run = capstone.chapter_run(**change)
     capstone.validate(run, world_size=8)
     assert run.dp * run.tp * run.pp == 8 and run.mesh(world_size=8).world_size == 8
 
@@ -67,11 +67,11 @@ INVALID = {  # the change, and what the error must say
 @pytest.mark.parametrize("change, message", INVALID.values(), ids=INVALID.keys())
 def test_an_invalid_configuration_is_refused_with_the_constraint_named(change, message):
     with pytest.raises(ValueError, match=message):
-        capstone.validate(dataclasses.replace(capstone.Run(), **change), world_size=8)
+        capstone.validate(dataclasses.replace(capstone.chapter_run(), **change), world_size=8)
 
 
 def test_the_loop_measures_one_step_alone_and_compares_every_k():
-    run = capstone.Run(steps=20, every=5)
+    run = capstone.chapter_run(steps=20, every=5)
     blocks = capstone._blocks(run)
     assert blocks == [(0, 1), (1, 2), (2, 5), (5, 10), (10, 15), (15, 20)]
     assert (capstone.MEASURED_STEP, capstone.MEASURED_STEP + 1) in blocks
@@ -139,7 +139,7 @@ def _check_every_copy(results, want, run):
 
 @pytest.mark.parametrize("change", TRAINED.values(), ids=TRAINED.keys())
 def test_a_changed_run_matches_one_process(eight, change):
-    run = capstone.Run(**change, steps=4, every=2)
+    run = capstone.chapter_run(**change, steps=4, every=2)
     results = eight.apply(_train, run)
     want = capstone.reference_run(run, capstone.data(run))
     diff = capstone.differences(results, want, run)
@@ -155,7 +155,7 @@ def test_a_changed_run_matches_one_process(eight, change):
 
 
 def test_a_broken_shard_offset_fails_the_capstone(eight):
-    run = capstone.Run(steps=4, every=2)
+    run = capstone.chapter_run(steps=4, every=2)
     results = eight.apply(_train, run, True)
     assert eight.apply(_shard_of_name) == ["shard_of"] * 8, "the module is restored on every rank"
     diff = capstone.differences(results, capstone.reference_run(run, capstone.data(run)), run)

@@ -19,8 +19,6 @@ HOME = ("helpers/cost/budget_types.py", "Degrees")
 KNOWN_SECOND_DEFINITIONS = {
     # a published run states some degrees and leaves others unknown (None) for the calculator to search
     ("helpers/cost/published_runs.py", "Run"): "issue 37, item 1",
-    # chapter 15's run, which issue 37 item 2 makes a configuration of ParallelDims
-    ("helpers/training/capstone.py", "Run"): "issue 37, items 1 and 2",
     # chapter 07's sequence layout: how a sequence is cut over the cp ranks, not a run's description
     ("helpers/parallel/blockwise_attention.py", "CPLayout"): "chapter 07, a layout of the sequence",
 }

@@ -49,18 +49,17 @@ TOLERANCES = {"fp64": {"loss": 1e-12, "params": 1e-10}, "fp32": {"loss": 1e-6, "
 (chapter 15 says why each is what it is)."""
 
 
+PARALLELISM = dict(pp=2, dp_shard=2, tp=2, sequence_parallel=True, m=2, zero=1)
+"""Chapter 15's parallelism: a pp x dp x tp mesh, SP inside tp, two micro-batches, ZeRO-1 (values of
+``ParallelDims``' fields, which declare them)."""
+
+
 @dataclass(frozen=True)
 class Run(ParallelDims):
     """One training run of the book's GPT: the run's parallelism (:class:`ParallelDims`: the mesh, the
     schedule, sequence parallelism, ZeRO, the precision), and what the capstone adds to it."""
 
-    # the capstone's defaults for the parallelism: a pp x dp x tp mesh, SP inside tp, ZeRO-1
-    pp: int = 2
-    dp_shard: int = 2
-    tp: int = 2
-    sequence_parallel: bool = True
-    m: int = 2
-    zero: int = 1
+    # the parallelism: ParallelDims' fields (chapter 15's values: PARALLELISM)
     # the model: the book's GPT (helpers.model.GPTConfig)
     n_layers: int = 2
     d_model: int = 64
@@ -85,6 +84,11 @@ class Run(ParallelDims):
 
     def batch(self) -> model_size.Batch:
         return model_size.Batch(self.seq_len, self.global_batch // (self.dp * self.m), self.global_batch)
+
+
+def chapter_run(**changes) -> Run:
+    """Chapter 15's run (``PARALLELISM`` and ``Run``'s own defaults), with ``changes``."""
+    return Run(**{**PARALLELISM, **changes})
 
 
 def validate(run: Run, world_size: int | None = None) -> None:
@@ -291,7 +295,8 @@ def reference_shards(full: dict, run: Run, mesh: Mesh) -> dict:
     return shards
 
 
-__all__ = ["PRECISIONS", "SCHEDULES", "OPTIMIZERS", "MEASURED_STEP", "TOLERANCES", "Run", "validate",
+__all__ = ["PRECISIONS", "SCHEDULES", "OPTIMIZERS", "MEASURED_STEP", "TOLERANCES", "PARALLELISM", "Run",
+           "chapter_run", "validate",
            "build", "data", "make_mesh", "optimizer", "reference_optimizer", "train", "reference_run",
            "shared_reference", "losses", "assembled",
            "largest_difference", "differences", "reference_shards"]
