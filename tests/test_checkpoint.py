@@ -1,0 +1,158 @@
+"""Stop, save, resume elsewhere (chapter 15, ``helpers.training.checkpoint``), on 8 ranks.
+
+The capstone's run (``capstone.Run``: PP 2 x DP 2 x TP 2, sequence parallelism, ZeRO-1, AdamW, fp64) trains
+``STEPS`` steps uninterrupted, and on the way saves a checkpoint after ``AT`` steps (parameters and AdamW's
+moments, each rank only its slices). The checkpoint is then loaded onto another layout on the same 8 ranks,
+TP 8 without a pipeline (every KV head copied onto two ranks, plain AdamW), which trains the remaining steps.
+Its losses and final parameters match the uninterrupted run's within the capstone's fp64 tolerances (the loss
+within 1e-12 relative, every parameter within 1e-10 of its tensor's largest entry): the layouts sum in other
+orders, so the two agree to fp64's rounding, not bit for bit.
+
+The checks can fail: each rank reading its tensor-parallel neighbour's slices (a load that does not reshard),
+or a resumption without the optimizer's moments, leaves the parameters far off; a checkpoint with a shard file
+deleted, or loaded into another model (a wider MLP; more layers), raises on every rank with a message naming
+the file, the shapes or the names. No rank's file holds the whole of a tensor-parallel weight.
+"""
+
+import re
+
+import ipyparallel as ipp
+import pytest
+
+from helpers.model import GPT
+from helpers.training import capstone
+
+STEPS, AT = 4, 2
+SAVED = dict()  # the capstone's run
+RESUMED = dict(pp=1, dp_shard=1, tp=8, m=1)  # TP 8, no pipeline: KV heads copied, plain AdamW
+
+
+@ipp.interactive  # sent by value: the engines cannot import this test module
+def _train(layout, steps, at, path=None, save=False, resume=False, moments=True, neighbour=False, **model):
+    """The run ``layout`` from step 0 (saving after ``at`` steps) or resumed from ``path`` at ``at``, to
+    ``steps``. Returns where the rank sits, its losses and its final parameters; or a load's error."""
+    import torch.distributed as dist
+
+    from helpers.parallel import composition
+    from helpers.reference import train_steps
+    from helpers.training import capstone, checkpoint
+
+    run = capstone.Run(**layout, **model, steps=steps, every=steps)
+    mesh = capstone.make_mesh(run)
+    chunks = composition.apply(capstone.build(run).to(run.rank_device()), mesh, run)
+    opt = composition.optimizer(chunks, mesh, run, run.lr)
+    data = capstone.data(run)
+    where = mesh.coordinates(dist.get_rank())
+    names = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+    out = {"where": {n: where.get(n, 0) for n in names}, "losses": []}
+
+    def step(x, y):
+        return composition.forward_backward(chunks, mesh, run, x, y)[0]
+    start = 0
+    if resume:
+        correct = checkpoint.tp_row
+        if neighbour:  # each rank takes its tensor-parallel neighbour's place: its slices, unresharded
+            checkpoint.tp_row = lambda m: (lambda row: row[1:] + row[:1])(correct(m))
+        try:
+            start = checkpoint.load(chunks, mesh, run, path, opt if moments else None)
+        except checkpoint.CheckpointError as err:
+            return {"error": str(err)}
+        finally:
+            checkpoint.tp_row = correct
+    if save:
+        out["losses"] += train_steps(None, data[:at], step=step, optimizer=opt)
+        checkpoint.save(chunks, mesh, run, at, path, opt)
+        start = at
+    out["start"] = start
+    out["losses"] += train_steps(None, data[start:], step=step, optimizer=opt)
+    out["params"] = {steps: composition.params(chunks)}
+    return out
+
+
+def _whole(results, layout):
+    run = capstone.Run(**layout, steps=STEPS, every=STEPS)
+    return capstone.assembled(results, run, STEPS)[0]
+
+
+@pytest.fixture(scope="module")
+def saved(eight, tmp_path_factory):
+    """The uninterrupted run, which saved its checkpoint after ``AT`` steps."""
+    path = tmp_path_factory.mktemp("checkpoint") / "step2"
+    results = eight.apply(_train, SAVED, STEPS, AT, str(path), save=True)
+    return path, results
+
+
+def test_each_rank_writes_only_its_slices(saved):
+    from helpers.training import checkpoint
+
+    path, _ = saved
+    listed = checkpoint.files(path)
+    assert sorted(f["rank"] for f in listed if f["rank"] is not None) == list(range(8))
+    assert all(b > 0 for b in checkpoint.bytes_by_rank(path).values())
+    split = 0
+    for f in listed:
+        for name, (offsets, sizes, whole) in f["slices"].items():
+            if name.endswith(("q_proj.weight", "up_proj.weight", "down_proj.weight", "o_proj.weight")):
+                assert sizes != whole, f"{f['file']} holds the whole of {name} {whole}"
+                split += 1
+    assert split > 0
+    # every slice once: the data-parallel replicas' copies were written by one rank
+    names = [(n, s[0]) for f in listed for n, s in f["slices"].items()]
+    assert len(names) == len(set(names))
+
+
+def test_resumed_on_another_layout_matches_the_uninterrupted_run(eight, saved):
+    path, uninterrupted = saved
+    resumed = eight.apply(_train, RESUMED, STEPS, AT, str(path), resume=True)
+    assert {r["start"] for r in resumed} == {AT}
+    tol = capstone.TOLERANCES["fp64"]
+    want, got = capstone.losses(uninterrupted), capstone.losses(resumed)
+    assert len(got) == STEPS - AT
+    assert max(abs(a - b) / b for a, b in zip(got, want[AT:])) <= tol["loss"], (got, want)
+    off = capstone.largest_difference(_whole(resumed, RESUMED), _whole(uninterrupted, SAVED))
+    assert off <= tol["params"], off
+
+
+@pytest.mark.parametrize("plant", ["neighbour", "no moments"])
+def test_a_load_without_resharding_or_moments_is_caught(eight, saved, plant):
+    path, uninterrupted = saved
+    flags = {"neighbour": dict(neighbour=True), "no moments": dict(moments=False)}[plant]
+    resumed = eight.apply(_train, RESUMED, STEPS, AT, str(path), resume=True, **flags)
+    try:
+        off = capstone.largest_difference(_whole(resumed, RESUMED), _whole(uninterrupted, SAVED))
+    except ValueError as err:  # the two copies of a KV head were read from different slices: refused
+        assert plant == "neighbour" and "hold copies of the same KV head that differ" in str(err), err
+        return
+    assert off > 1e6 * capstone.TOLERANCES["fp64"]["params"], off
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(d_ff=128), r"blocks\.0\.mlp\.up_proj\.weight: the checkpoint's shape \(256, 64\), the model's "
+                     r"\(128, 64\)"),
+    (dict(n_layers=4), r"(\d+) parameters missing from the checkpoint: blocks\.2\.attn"),
+    (dict(n_layers=1), r"(\d+) parameters in the checkpoint but not in the model: blocks\.1\.attn"),
+], ids=["wider MLP", "more layers", "fewer layers (DCP alone would load a part, silently)"])
+def test_a_checkpoint_of_another_model_is_refused(eight, saved, change, message):
+    path, _ = saved
+    errors = [r["error"] for r in eight.apply(_train, RESUMED, STEPS, AT, str(path), resume=True, **change)]
+    assert all(e == errors[0] for e in errors), "every rank refuses alike"
+    found = re.search(message, errors[0])
+    assert found, errors[0]
+    if "n_layers" in change:  # as many as the blocks that differ hold
+        names = {n: {k for k, _ in GPT(capstone.Run(**RESUMED, n_layers=n).model_config()).named_parameters()}
+                 for n in (2, change["n_layers"])}
+        assert int(found.group(1)) == len(names[change["n_layers"]] ^ names[2]), errors[0]
+
+
+def test_a_missing_shard_file_is_named(eight, tmp_path):
+    import shutil
+
+    from helpers.training import checkpoint
+
+    path = tmp_path / "step2"
+    eight.apply(_train, SAVED, AT, AT, str(path), save=True)  # a checkpoint of its own, to break
+    victim = next(f["file"] for f in checkpoint.files(path) if f["rank"] == 3)
+    (path / victim).unlink()
+    errors = [r["error"] for r in eight.apply(_train, RESUMED, STEPS, AT, str(path), resume=True)]
+    assert all(f"shard file {victim} is missing" in e for e in errors), errors[0]
+    shutil.rmtree(path)
