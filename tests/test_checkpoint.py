@@ -25,6 +25,8 @@ from helpers.training import capstone
 STEPS, AT = 4, 2
 SAVED = dict()  # the capstone's run
 RESUMED = dict(pp=1, dp_shard=1, tp=8, m=1)  # TP 8, no pipeline: KV heads copied, plain AdamW
+ELSEWHERE = {"TP 8, no pipeline": RESUMED,
+             "DP 2 x TP 4, ZeRO-1": dict(pp=1, dp_shard=2, tp=4, m=1)}  # ZeRO-1 over other rows
 
 
 @ipp.interactive  # sent by value: the engines cannot import this test module
@@ -101,15 +103,16 @@ def test_each_rank_writes_only_its_slices(saved):
     assert len(names) == len(set(names))
 
 
-def test_resumed_on_another_layout_matches_the_uninterrupted_run(eight, saved):
+@pytest.mark.parametrize("layout", ELSEWHERE.values(), ids=ELSEWHERE.keys())
+def test_resumed_on_another_layout_matches_the_uninterrupted_run(eight, saved, layout):
     path, uninterrupted = saved
-    resumed = eight.apply(_train, RESUMED, STEPS, AT, str(path), resume=True)
+    resumed = eight.apply(_train, layout, STEPS, AT, str(path), resume=True)
     assert {r["start"] for r in resumed} == {AT}
     tol = capstone.TOLERANCES["fp64"]
     want, got = capstone.losses(uninterrupted), capstone.losses(resumed)
     assert len(got) == STEPS - AT
     assert max(abs(a - b) / b for a, b in zip(got, want[AT:])) <= tol["loss"], (got, want)
-    off = capstone.largest_difference(_whole(resumed, RESUMED), _whole(uninterrupted, SAVED))
+    off = capstone.largest_difference(_whole(resumed, layout), _whole(uninterrupted, SAVED))
     assert off <= tol["params"], off
 
 
@@ -134,7 +137,8 @@ def test_a_load_without_resharding_or_moments_is_caught(eight, saved, plant):
 ], ids=["wider MLP", "more layers", "fewer layers (DCP alone would load a part, silently)"])
 def test_a_checkpoint_of_another_model_is_refused(eight, saved, change, message):
     path, _ = saved
-    errors = [r["error"] for r in eight.apply(_train, RESUMED, STEPS, AT, str(path), resume=True, **change)]
+    errors = [r.get("error", "loaded, no error") for r in eight.apply(_train, RESUMED, STEPS, AT, str(path),
+                                                                  resume=True, **change)]
     assert all(e == errors[0] for e in errors), "every rank refuses alike"
     found = re.search(message, errors[0])
     assert found, errors[0]
