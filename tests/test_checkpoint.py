@@ -3,17 +3,20 @@
 The capstone's run (``capstone.Run``: PP 2 x DP 2 x TP 2, sequence parallelism, ZeRO-1, AdamW, fp64) trains
 ``STEPS`` steps uninterrupted, and on the way saves a checkpoint after ``AT`` steps (parameters and AdamW's
 moments, each rank only its slices). The checkpoint is then loaded onto another layout on the same 8 ranks,
-TP 8 without a pipeline (every KV head copied onto two ranks, plain AdamW), which trains the remaining steps.
+which trains the remaining steps: TP 8 without a pipeline (every KV head copied onto two ranks, plain AdamW),
+or DP 2 x TP 4 without a pipeline (ZeRO-1 over other rows).
 Its losses and final parameters match the uninterrupted run's within the capstone's fp64 tolerances (the loss
 within 1e-12 relative, every parameter within 1e-10 of its tensor's largest entry): the layouts sum in other
 orders, so the two agree to fp64's rounding, not bit for bit.
 
 The checks can fail: each rank reading its tensor-parallel neighbour's slices (a load that does not reshard),
 or a resumption without the optimizer's moments, leaves the parameters far off; a checkpoint with a shard file
-deleted, or loaded into another model (a wider MLP; more layers), raises on every rank with a message naming
-the file, the shapes or the names. No rank's file holds the whole of a tensor-parallel weight.
+deleted, or loaded into another model (a wider MLP; more or fewer layers; fp32), raises on every rank with a
+message naming the file, the shapes, the names or the dtypes. No rank's file holds the whole of a
+tensor-parallel weight, and the files hold every element of the parameters and both moments exactly once.
 """
 
+import math
 import re
 
 import ipyparallel as ipp
@@ -101,6 +104,10 @@ def test_each_rank_writes_only_its_slices(saved):
     # every slice once: the data-parallel replicas' copies were written by one rank
     names = [(n, s[0]) for f in listed for n, s in f["slices"].items()]
     assert len(names) == len(set(names))
+    # and every element once: the parameters and AdamW's two moments of each, and the two step counts
+    run = capstone.Run(**SAVED, steps=STEPS, every=STEPS)
+    numel = sum(p.numel() for p in capstone.build(run).parameters())
+    assert sum(math.prod(s[1]) for f in listed for s in f["slices"].values()) == 3 * numel + 2
 
 
 @pytest.mark.parametrize("layout", ELSEWHERE.values(), ids=ELSEWHERE.keys())
@@ -134,7 +141,9 @@ def test_a_load_without_resharding_or_moments_is_caught(eight, saved, plant):
                      r"\(128, 64\)"),
     (dict(n_layers=4), r"(\d+) parameters missing from the checkpoint: blocks\.2\.attn"),
     (dict(n_layers=1), r"(\d+) parameters in the checkpoint but not in the model: blocks\.1\.attn"),
-], ids=["wider MLP", "more layers", "fewer layers (DCP alone would load a part, silently)"])
+    (dict(precision="fp32"), r"tensors saved in torch\.float64, the model's in torch\.float32"),
+], ids=["wider MLP", "more layers", "fewer layers (DCP alone would load a part, silently)",
+        "fp32 (DCP alone would cast, silently)"])
 def test_a_checkpoint_of_another_model_is_refused(eight, saved, change, message):
     path, _ = saved
     errors = [r.get("error", "loaded, no error") for r in eight.apply(_train, RESUMED, STEPS, AT, str(path),

@@ -19,8 +19,9 @@ loaded parameters). Muon's state is not saved. A tied LM head's copy on the last
 slice: it is not written, and is read from ``tok_emb.weight``. Experts (chapter 08) are not handled yet.
 
 Before DCP reads anything, :func:`load` checks the checkpoint against the layout, on every rank alike: every
-file the metadata names is there with its bytes, and the names and shapes are the model's, none missing and
-none extra. A failure raises :class:`CheckpointError` naming the file, the names or the shapes.
+file the metadata names is there with its bytes, and the names, shapes and dtypes are the model's, none
+missing and none extra (DCP alone loads a subset of a checkpoint's names, and casts, without a word). A
+failure raises :class:`CheckpointError` naming the file, the names, the shapes or the dtypes.
 :func:`files` lists the checkpoint's files, the bytes each rank wrote and the slices in each.
 """
 
@@ -235,16 +236,22 @@ def check_files(path) -> None:
                                   f"{' …' if len(shown) > 4 else ''})")
 
 
-def _check_names(md, state: dict, optimizer) -> None:
-    """The checkpoint's names and shapes are the model's (every rank's names, gathered), or a
+def _check_names(md, state: dict, optimizer, run) -> None:
+    """The checkpoint's names, shapes and dtypes are the model's (every rank's names, gathered), or a
     :class:`CheckpointError` on every rank naming what differs."""
     mine = {k: tuple(v.shape) for k, v in state.items() if k.startswith(MODEL)}
-    problems = []
-    for key, shape in sorted(state.items()):
-        shape = tuple(shape.shape)
+    problems, dtypes = [], {}
+    for key, t in sorted(state.items()):
         saved = md.state_dict_metadata.get(key)
-        if saved is not None and tuple(getattr(saved, "size", ())) != shape:
-            problems.append(f"{key}: the checkpoint's shape {tuple(saved.size)}, the model's {shape}")
+        if saved is None:
+            continue
+        if tuple(getattr(saved, "size", ())) != tuple(t.shape):
+            problems.append(f"{key}: the checkpoint's shape {tuple(saved.size)}, "
+                            f"the model's {tuple(t.shape)}")
+        elif key not in (STEP, OPTIM + STEP) and saved.properties.dtype != t.dtype:  # DCP would cast
+            dtypes.setdefault((saved.properties.dtype, t.dtype), []).append(key)
+    problems += [f"{len(keys)} tensors saved in {a}, the model's in {b} ({keys[0]}, …)"
+                 for (a, b), keys in dtypes.items()]
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, (sorted(mine), problems))
     model = {k for names, _ in gathered for k in names}
@@ -259,7 +266,8 @@ def _check_names(md, state: dict, optimizer) -> None:
     if optimizer is not None and OPTIM + STEP not in md.state_dict_metadata:
         problems.insert(0, "no optimizer state: the checkpoint was saved without optimizer=")
     if problems:
-        raise CheckpointError("the checkpoint is not this model's: " + "; ".join(problems))
+        raise CheckpointError(f"the checkpoint is not this model's (loading onto {run.degrees()}): "
+                              + "; ".join(problems))
 
 
 def _last_line(err: BaseException) -> str:
@@ -270,7 +278,8 @@ def _last_line(err: BaseException) -> str:
 
 def load(chunks: dict, mesh: Mesh, run, path, optimizer=None) -> int:
     """Load the checkpoint at ``path`` into this rank's ``chunks`` (and ``optimizer``'s state, if given),
-    whatever the layout that saved it; every rank calls it. Returns the step it was saved after."""
+    whatever the layout that saved it; every rank calls it, ``run`` its description (named in the errors).
+    Returns the step it was saved after."""
     md = metadata(path)
     check_files(path)
     row = tp_row(mesh)
@@ -291,7 +300,7 @@ def load(chunks: dict, mesh: Mesh, run, path, optimizer=None) -> int:
                 state[key] = ask(key, local, piece)
     if optimizer is not None:
         state[OPTIM + STEP] = torch.zeros((), dtype=torch.float64, device="cpu")
-    _check_names(md, state, optimizer)
+    _check_names(md, state, optimizer, run)
     try:
         dcp.load(state, storage_reader=dcp.FileSystemReader(os.fspath(path)))
     except (Exception, CheckpointException) as err:  # DCP's (a BaseException) carries every rank's traceback
