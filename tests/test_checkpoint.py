@@ -123,6 +123,32 @@ def test_resumed_on_another_layout_matches_the_uninterrupted_run(eight, saved, l
     assert off <= tol["params"], off
 
 
+FROM_ELSEWHERE = {  # saved on, loaded onto, the model's changes
+    "DP 2 x CP 2 x TP 2 to TP 8": (dict(pp=1, dp_shard=2, cp=2, tp=2, m=1), RESUMED, {}),
+    "interleaved 1F1B, DDP to DP 2 x TP 4, ZeRO-1": (dict(schedule="interleaved", vpp=2, zero=0),
+                                                     ELSEWHERE["DP 2 x TP 4, ZeRO-1"], dict(n_layers=4)),
+}
+
+
+@pytest.mark.parametrize("source, target, model", FROM_ELSEWHERE.values(), ids=FROM_ELSEWHERE.keys())
+def test_saved_with_context_parallelism_or_interleaving_resumes_elsewhere(eight, tmp_path, source, target,
+                                                                          model):
+    """The context-parallel ranks hold the same slices, as the data-parallel ones do; an interleaved
+    pipeline's rank holds two chunks, the tied head's copy on the last."""
+    path = tmp_path / "step2"
+    uninterrupted = eight.apply(_train, source, STEPS, AT, str(path), save=True, **model)
+    resumed = eight.apply(_train, target, STEPS, AT, str(path), resume=True, **model)
+    tol = capstone.TOLERANCES["fp64"]
+    want, got = capstone.losses(uninterrupted), capstone.losses(resumed)
+    assert max(abs(a - b) / b for a, b in zip(got, want[AT:])) <= tol["loss"], (got, want)
+    whole = {}
+    for results, layout in ((resumed, target), (uninterrupted, source)):
+        run = capstone.Run(**layout, **model, steps=STEPS, every=STEPS)
+        whole[layout is target] = capstone.assembled(results, run, STEPS)[0]
+    off = capstone.largest_difference(whole[True], whole[False])
+    assert off <= tol["params"], off
+
+
 @pytest.mark.parametrize("plant", ["neighbour", "no moments"])
 def test_a_load_without_resharding_or_moments_is_caught(eight, saved, plant):
     path, uninterrupted = saved
