@@ -93,7 +93,8 @@ def test_each_rank_writes_only_its_slices(saved):
     path, _ = saved
     listed = checkpoint.files(path)
     assert sorted(f["rank"] for f in listed if f["rank"] is not None) == list(range(8))
-    assert all(b > 0 for b in checkpoint.bytes_by_rank(path).values())
+    by_rank = checkpoint.bytes_by_rank(path)
+    assert all(0 < b["tensor_bytes"] < b["bytes"] for b in by_rank.values()), by_rank
     split = 0
     for f in listed:
         for name, (offsets, sizes, whole) in f["slices"].items():
@@ -108,6 +109,8 @@ def test_each_rank_writes_only_its_slices(saved):
     run = capstone.Run(**SAVED, steps=STEPS, every=STEPS)
     numel = sum(p.numel() for p in capstone.build(run).parameters())
     assert sum(math.prod(s[1]) for f in listed for s in f["slices"].values()) == 3 * numel + 2
+    # in fp64 (8 bytes), the step counts an int64 and a float64
+    assert sum(b["tensor_bytes"] for b in by_rank.values()) == 8 * (3 * numel + 2)
 
 
 @pytest.mark.parametrize("layout", ELSEWHERE.values(), ids=ELSEWHERE.keys())

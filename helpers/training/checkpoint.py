@@ -27,6 +27,7 @@ failure raises :class:`CheckpointError` naming the file, the names, the shapes o
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from dataclasses import dataclass
@@ -327,9 +328,11 @@ def load(chunks: dict, mesh: Mesh, run, path, optimizer=None) -> int:
 
 def files(path) -> list[dict]:
     """The checkpoint's files: each one's name, the rank that wrote it (``None``: the metadata), its bytes,
-    and the slices in it, ``{name: (offsets, sizes, the whole tensor's size)}``."""
+    the bytes of the tensors' elements in it (the rest is ``torch.save``'s framing of each slice), and the
+    slices in it, ``{name: (offsets, sizes, the whole tensor's size)}``."""
     path, md = os.fspath(path), metadata(path)
     slices: dict[str, dict] = {}
+    data: dict[str, int] = {}
     for index, info in md.storage_data.items():
         saved = md.state_dict_metadata[index.fqn]
         chunks = getattr(saved, "chunks", None)
@@ -337,20 +340,26 @@ def files(path) -> list[dict]:
         sizes = next((tuple(c.sizes) for c in chunks or () if tuple(c.offsets) == offsets), None)
         whole = tuple(getattr(saved, "size", ()))
         slices.setdefault(info.relative_path, {})[index.fqn] = (offsets, sizes, whole)
+        if sizes is not None:
+            data[info.relative_path] = (data.get(info.relative_path, 0)
+                                        + math.prod(sizes) * saved.properties.dtype.itemsize)
     out = []
     for name in sorted(os.listdir(path)):
         match = re.fullmatch(r"__(\d+)_\d+\.distcp", name)
         out.append({"file": name, "rank": int(match.group(1)) if match else None,
-                    "bytes": os.path.getsize(os.path.join(path, name)), "slices": slices.get(name, {})})
+                    "bytes": os.path.getsize(os.path.join(path, name)), "tensor_bytes": data.get(name, 0),
+                    "slices": slices.get(name, {})})
     return out
 
 
-def bytes_by_rank(path) -> dict[int, int]:
-    """The bytes each rank wrote (its shard files), by rank."""
-    out: dict[int, int] = {}
+def bytes_by_rank(path) -> dict[int, dict[str, int]]:
+    """What each rank wrote (its shard files), by rank: ``{"bytes": ..., "tensor_bytes": ...}``."""
+    out: dict[int, dict[str, int]] = {}
     for f in files(path):
         if f["rank"] is not None:
-            out[f["rank"]] = out.get(f["rank"], 0) + f["bytes"]
+            mine = out.setdefault(f["rank"], {"bytes": 0, "tensor_bytes": 0})
+            mine["bytes"] += f["bytes"]
+            mine["tensor_bytes"] += f["tensor_bytes"]
     return out
 
 
