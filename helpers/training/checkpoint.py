@@ -60,7 +60,7 @@ class Piece:
 
     name: str
     dim: int | None
-    size: int
+    size: int | None
     copies: int
 
 
