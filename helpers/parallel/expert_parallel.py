@@ -117,6 +117,10 @@ class ExpertParallelMoE(MoELayer):
             for name in ("up_proj", "down_proj"):
                 mine = getattr(layer.experts, name).weight[rank * n:(rank + 1) * n]
                 getattr(part.experts, name).weight.copy_(mine)
+        mine = dict(part.named_parameters())
+        for name, p in layer.named_parameters():  # tensor parallelism's mark: the layer saw this rank's
+            if getattr(p, "sequence_parallel", False):  # slice of the sequence, its gradients summed over tp
+                mine[name].sequence_parallel = True
         return part
 
 
@@ -159,9 +163,11 @@ def identify_rows(rows: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
 def parallelize(model: nn.Module, group=None, grouped: bool | None = None) -> nn.Module:
     """Make ``model`` (a GPT or a pipeline stage of one) expert-parallel over ``group`` in place: each block's
     :class:`MoELayer` becomes this rank's :class:`ExpertParallelMoE`. A dense model, or one already
-    expert-parallel, is refused."""
+    expert-parallel, is refused; a chunk of a MoE GPT without a MoE block is left as it is."""
     layers = [block for block in model.blocks if type(block.mlp) is MoELayer]
-    if not layers:
+    if any(isinstance(block.mlp, ExpertParallelMoE) for block in model.blocks):
+        raise ValueError("expert_parallel.parallelize: the model is expert-parallel already")
+    if not layers and not isinstance(model, MoEGPT):  # a MoE GPT's pipeline chunk may hold dense blocks only
         raise ValueError("expert_parallel.parallelize needs blocks whose mlp is a single-process MoELayer "
                          "(not a dense MLP, and not expert-parallel already)")
     for block in layers:

@@ -38,9 +38,12 @@ class MoEConfig(GPTConfig):
     capacity_factor: float | None = None  # None: no expert drops a token
     aux_loss_coef: float = 0.01  # Switch's alpha
     z_loss_coef: float = 0.001  # ST-MoE's router z-loss coefficient
+    moe_every: int = 1  # a MoE layer in every moe_every-th block (GShard's every other layer: 2)
 
     def __post_init__(self):
         super().__post_init__()
+        if not 1 <= self.moe_every <= self.n_layers:
+            raise ValueError(f"moe_every={self.moe_every} must be in 1..n_layers={self.n_layers}")
         if self.n_experts < 1:
             raise ValueError(f"n_experts must be positive, got {self.n_experts}")
         if not 1 <= self.top_k <= self.n_experts:
@@ -48,6 +51,11 @@ class MoEConfig(GPTConfig):
         if self.capacity_factor is not None and self.capacity_factor <= 0:
             raise ValueError(f"capacity_factor must be positive (or None for no limit), "
                              f"got {self.capacity_factor}")
+
+    def is_moe(self, layer: int) -> bool:
+        """Whether block ``layer`` holds a MoE layer: the last of every ``moe_every`` (all, by default;
+        with 2, blocks 1, 3, 5, ... as GShard's every other layer)."""
+        return layer % self.moe_every == self.moe_every - 1
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -242,7 +250,8 @@ class MoELayer(nn.Module):
 
 
 class MoEGPT(GPT):
-    """:class:`helpers.model.GPT` with a :class:`MoELayer` in place of every block's MLP.
+    """:class:`helpers.model.GPT` with a :class:`MoELayer` in place of the MLP of every block
+    ``cfg.is_moe`` names (every block by default; with ``moe_every=2`` every other one).
 
     ``forward`` is :meth:`GPT.forward`; its loss is the language model's (``lm_loss``) plus ``aux_loss_coef``
     and ``z_loss_coef`` times the layers' load-balancing and z-losses (a stage without a head: activations).
@@ -250,12 +259,14 @@ class MoEGPT(GPT):
 
     def __init__(self, cfg: MoEConfig, seed: int = 0, segments: int = 1, grouped: bool = True):
         super().__init__(cfg, seed)
-        for block in self.blocks:
-            block.mlp = MoELayer(cfg, segments, grouped)
+        for i, block in enumerate(self.blocks):
+            if cfg.is_moe(i):
+                block.mlp = MoELayer(cfg, segments, grouped)
         init_weights(self, seed)  # again, over the MoE layers: experts' down_proj scaled as GPT-2's
 
     def moe_layers(self) -> list[MoELayer]:
-        return [block.mlp for block in self.blocks]
+        """The MoE layers this model (or pipeline chunk of one) holds, in order."""
+        return [block.mlp for block in self.blocks if isinstance(block.mlp, MoELayer)]
 
     def forward(self, idx, targets=None, positions=None, loss_fn=None):
         out = super().forward(idx, targets, positions, loss_fn)

@@ -15,7 +15,10 @@ refused; the copies' gradients are summed over those ranks by :func:`allreduce_r
 (Megatron-LM copies no weights: up to core v0.15 it refuses such a ``tp``; from v0.16 it all-gathers the QKV
 activations instead.)
 Under sequence parallelism (Korthikanti et al. 2022) the norms and the position embedding see only their
-rank's tokens, and :func:`allreduce_sequence_parallel_grads` sums their gradients.
+rank's tokens, and :func:`allreduce_sequence_parallel_grads` sums their gradients. A MoE layer (chapter 08)
+stays whole on every rank (its experts are split by expert parallelism, not by tensor parallelism): without
+sequence parallelism every rank computes it on the same tokens; with it, each rank routes its own slice of
+the sequence, and the layer's gradients, partial sums, are summed as the norms' are.
 
 :func:`shard_state` cuts a rank's tensors by the plan, :func:`unshard_state` puts the ranks' shards back
 together. Every collective is a call of :mod:`helpers.parallel.comms`, booked in the ledger.
@@ -32,6 +35,7 @@ from torch import nn
 
 from helpers import layout_rules
 from helpers.model import GPT, MLP, Attention, GPTConfig
+from helpers.parallel.moe import MoELayer
 from helpers.parallel.tensor_parallel_comms import (allreduce_replicated_kv_grads,
                                                     allreduce_sequence_parallel_grads)
 from helpers.parallel.tensor_parallel_layers import (ColumnParallelLinear, RowParallelLinear,
@@ -97,19 +101,23 @@ def parallelize(model: GPT, group=None, sequence_parallel: bool = False) -> GPT:
     for name, block in model.blocks.items():
         for part, want in (("attn", Attention), ("mlp", MLP)):
             module = getattr(block, part)
-            if type(module) is not want:  # a MoE layer
+            if part == "mlp" and type(module) is MoELayer:  # kept whole: split by expert parallelism
+                continue
+            if type(module) is not want:  # an expert-parallel MoE layer
                 raise ValueError(f"tensor_parallel.parallelize: blocks.{name}.{part} is a "
                                  f"{type(module).__name__}, not helpers.model.{want.__name__} "
-                                 f"(a MoE layer is split by expert parallelism)")
+                                 f"(apply tensor parallelism before expert parallelism)")
             if any(isinstance(m, (ColumnParallelLinear, RowParallelLinear)) for m in module.children()):
                 raise ValueError(f"tensor_parallel.parallelize: blocks.{name}.{part} is tensor-parallel "
                                  f"already")
     split = dict(group=group, sequence_parallel=sequence_parallel)
     for block in model.blocks:
         parallelize_attention(block.attn, **split)
-        parallelize_mlp(block.mlp, **split)
+        moe = type(block.mlp) is MoELayer
+        if not moe:
+            parallelize_mlp(block.mlp, **split)
         if sequence_parallel:
-            _mark_sequence_parallel(block.ln1, block.ln2)
+            _mark_sequence_parallel(block.ln1, block.ln2, *([block.mlp] if moe else []))
     tied = None not in (model.tok_emb, model.lm_head) and model.lm_head.weight is model.tok_emb.weight
     if model.tok_emb is not None:
         model.tok_emb = VocabParallelEmbedding(model.tok_emb.weight, **split)
@@ -157,6 +165,10 @@ def shard_plan(cfg: GPTConfig, tp: int) -> dict[str, tuple[int | None, tuple[tup
                                                 (p + "attn.v_proj.weight", kv, kv_replicas)))
         plan[p + "attn.o_proj.weight"] = (1, ((p + "attn.o_proj.weight", q, 1),))
         f = cfg.d_ff // tp
+        if getattr(cfg, "is_moe", lambda _: False)(i):  # a MoE layer: whole on every rank
+            for name in ("router.weight", "experts.up_proj.weight", "experts.down_proj.weight"):
+                plan[p + "mlp." + name] = (None, ((p + "mlp." + name, cfg.n_experts, tp),))
+            continue
         if cfg.gated:
             plan[p + "mlp.gate_up_proj.weight"] = (0, ((p + "mlp.gate_proj.weight", f, 1),
                                                        (p + "mlp.up_proj.weight", f, 1)))

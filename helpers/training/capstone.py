@@ -3,14 +3,15 @@ by the modules of chapters 03-12, imported.
 
 - :class:`Run` is what a reader changes: the run's parallelism, one
   :class:`~helpers.parallel.parallel_dims.ParallelDims` (the mesh ``pp × dp_shard × tp``, sequence
-  parallelism, ``m`` micro-batches, chapter 06's schedule and its ``vpp``, the ZeRO stage, the precision),
-  and what the capstone adds to it: the size of the book's GPT, the global batch, the optimizer (AdamW with
-  chapter 03's DDP or chapter 04's ZeRO-1, or chapter 12's Muon) and the steps. Making one runs
+  parallelism, ``m`` micro-batches, chapter 06's schedule and its ``vpp``, the ZeRO stage, the precision), and
+  what the capstone adds to it: the size of the book's GPT (dense, or with chapter 08's MoE layer in every
+  ``moe_every``-th block, its experts folded onto the data-parallel group), the global batch, the optimizer
+  (AdamW with chapter 03's DDP or chapter 04's ZeRO-1, or chapter 12's Muon) and the steps. Making one runs
   :func:`validate`, which raises a ``ValueError`` naming the broken constraint. The constraints are the
-  modules' own, called, not restated: the run description's (its degrees, through ``helpers.layout_rules``
-  and the calculator's ``memory_budget.Layout``), the model's (``GPTConfig``), the mesh's (``Mesh``), chapter
-  10's composition's, chapter 01's rules for the model and batch (``memory_budget.validate``), the
-  schedule's and Muon's owners; the few the capstone adds are stated once, here.
+  modules' own, called, not restated: the run description's (its degrees, through ``helpers.layout_rules`` and
+  the calculator's ``memory_budget.Layout``), the model's (``GPTConfig``), the mesh's (``Mesh``), chapter 10's
+  composition's, chapter 01's rules for the model and batch (``memory_budget.validate``), the schedule's and
+  Muon's owners; the few the capstone adds are stated once, here.
 - :func:`train` is the run on one rank: chapter 10's mesh and composition (``composition.apply``,
   ``forward_backward``, ``optimizer``: chapter 06's executor on the run's schedule), by the book's one loop
   (``reference.train_steps``). It keeps what chapter 15 checks: every step's loss, the parameters every
@@ -22,6 +23,7 @@ by the modules of chapters 03-12, imported.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from dataclasses import dataclass
@@ -34,9 +36,10 @@ from helpers import layout_rules
 from helpers.cost import model_size
 from helpers.data import make_tokens
 from helpers.model import GPT, GPTConfig
-from helpers.parallel import composition, pipeline_parallel, tensor_parallel
+from helpers.parallel import composition, expert_parallel, pipeline_parallel, tensor_parallel
 from helpers.parallel.ledger import LEDGER
-from helpers.parallel.mesh import MESH_ORDER, Mesh
+from helpers.parallel.mesh import FLATTENED, MESH_ORDER, Mesh
+from helpers.parallel.moe import MoEConfig, MoEGPT
 from helpers.parallel.parallel_dims import PRECISIONS, SCHEDULES, ParallelDims
 from helpers.measure import LiveMemory
 from helpers.reference import batches, named_params, train_steps
@@ -67,6 +70,11 @@ class Run(ParallelDims):
     n_kv_heads: int = 4
     d_ff: int = 256
     seq_len: int = 16
+    # chapter 08's experts: none (0) for the dense GPT; else a MoE layer of n_experts, top_k of them per
+    # token, in every moe_every-th block (2: every other one), expert-parallel over the data-parallel group
+    n_experts: int = 0
+    top_k: int = 2
+    moe_every: int = 2
     # one step: sequences over all data-parallel ranks; the optimizer
     global_batch: int = 8
     optimizer: str = "adamw"
@@ -79,11 +87,27 @@ class Run(ParallelDims):
         validate(self)
 
     def model_config(self) -> GPTConfig:
-        return GPTConfig(seq_len=self.seq_len, n_layers=self.n_layers, d_model=self.d_model,
-                         n_heads=self.n_heads, n_kv_heads=self.n_kv_heads, d_ff=self.d_ff)
+        shape = dict(seq_len=self.seq_len, n_layers=self.n_layers, d_model=self.d_model, n_heads=self.n_heads,
+                     n_kv_heads=self.n_kv_heads, d_ff=self.d_ff)
+        if not self.n_experts:
+            return GPTConfig(**shape)
+        # no capacity (every token reaches its experts) and no auxiliary losses: see _validate_experts
+        return MoEConfig(**shape, n_experts=self.n_experts, top_k=self.top_k, moe_every=self.moe_every,
+                         capacity_factor=None, aux_loss_coef=0.0, z_loss_coef=0.0)
 
     def batch(self) -> model_size.Batch:
         return model_size.Batch(self.seq_len, self.global_batch // (self.dp * self.m), self.global_batch)
+
+
+def model_shape(run: Run) -> model_size.ModelShape:
+    """The run's model as chapter 01's calculator describes it (its MoE layers counted, not placed)."""
+    cfg = run.model_config()
+    shape = model_size.ModelShape.from_gpt(cfg)
+    if not run.n_experts:
+        return shape
+    moe = sum(cfg.is_moe(i) for i in range(cfg.n_layers))
+    return dataclasses.replace(shape, n_experts=cfg.n_experts, top_k=cfg.top_k,
+                               n_dense_layers=cfg.n_layers - moe)
 
 
 def chapter_run(**changes) -> Run:
@@ -105,7 +129,7 @@ def validate(run: Run, world_size: int | None = None) -> None:
                                  "the parameters are compared every `every` steps, and after the last")
     if not run.lr > 0:
         raise ValueError(f"lr={run.lr} must be positive")
-    cfg = run.model_config()  # the model's own refusals
+    run.model_config()  # the model's own refusals
     if world_size is not None:
         run.mesh(world_size)  # the mesh's: its ranks are the world's
     composition.check(run)  # what chapter 10's composition adds
@@ -114,9 +138,32 @@ def validate(run: Run, world_size: int | None = None) -> None:
                          f"at once (m=1)")
     layout_rules.require_divides("dp*m", run.dp * run.m, "global_batch", run.global_batch,
                                  "each data-parallel rank cuts its rows into m micro-batches")
-    run.check(model_size.ModelShape.from_gpt(cfg), run.batch())  # chapters 01 and 05-07's, chapter 06's
+    run.check(model_shape(run), run.batch())  # chapters 01 and 05-07's, chapter 06's
+    _validate_experts(run)
     if run.optimizer == "muon":
         _validate_muon(run)
+
+
+def _validate_experts(run: Run) -> None:
+    """The composition folds the experts onto the whole data-parallel group (``run.dp_dim``, torchtitan's
+    ``dp_shard × cp``): ``ep`` is that group's size. A rank routes its own tokens, a micro-batch's rows at its
+    context- (and sequence-) parallel positions, which are no consecutive slice of one process's batch; so no
+    expert drops a token (no capacity) and the per-segment auxiliary losses are left out (their weights 0),
+    which also keeps a pipeline's earlier stages, whose layers' losses no head adds, exact."""
+    folded = math.prod(getattr(run, part) for part in FLATTENED.get(run.dp_dim, (run.dp_dim,)))
+    if not run.n_experts:
+        if run.ep > 1:
+            raise ValueError(f"ep={run.ep} needs experts: set n_experts (the dense GPT has none)")
+        return
+    layout_rules.expert_parallel(run.ep, run.n_experts, of="the capstone's MoE layers")
+    if run.ep != folded:
+        raise ValueError(f"ep={run.ep}: chapter 10's composition folds the experts onto the whole "
+                         f"data-parallel group {run.dp_dim} of {folded} ranks, so ep must be {folded}")
+    if run.zero != 0:
+        raise ValueError(f"zero={run.zero} with experts: ZeRO-1 over {run.dp_dim} would average different "
+                         f"ranks' experts; a MoE run reduces by chapter 08's finish_gradients (zero=0)")
+    if run.optimizer != "adamw":
+        raise ValueError(f"optimizer={run.optimizer!r} with experts: the MoE run trains with AdamW")
 
 
 def _validate_muon(run: Run) -> None:
@@ -134,7 +181,10 @@ def _validate_muon(run: Run) -> None:
 
 
 def build(run: Run) -> GPT:
-    """The one reference GPT, seeded, in the run's precision."""
+    """The one reference GPT (a MoE GPT with experts: by a loop over them, no grouped matmul in fp64),
+    seeded, in the run's precision."""
+    if run.n_experts:
+        return MoEGPT(run.model_config(), seed=0, grouped=False).to(run.dtype)
     return GPT(run.model_config(), seed=0).to(run.dtype)
 
 
@@ -258,6 +308,10 @@ def assembled(results: list[dict], run: Run, step: int) -> tuple[dict, list[dict
     cfg = run.model_config()
     states = [{"where": r["where"], "params": r["params"][step]} for r in results]
     whole, others = composition.assemble(states, cfg, "params")
+    if run.n_experts and run.tp > 1:  # every tp rank holds its replica's experts: take tp rank 0's
+        first, rest = composition.assemble([s for s in states if s["where"]["tp"] == 0], cfg, "params")
+        for part, ep_part in zip([whole, *others], [first, *rest]):
+            part.update({n: t for n, t in ep_part.items() if expert_parallel.is_expert(n)})
     for part in [whole, *others] if cfg.tie_embeddings else []:
         part.pop("lm_head.weight", None)
     return whole, others
@@ -290,13 +344,16 @@ def reference_shards(full: dict, run: Run, mesh: Mesh) -> dict:
     else:
         tp_rank = dist.get_rank(mesh.group("tp"))
         shards = tensor_parallel.shard_state(full, run.model_config(), tp_rank, run.tp)
+    if run.n_experts and run.ep > 1:
+        ep_rank = dist.get_rank(mesh.group(run.dp_dim))
+        shards = expert_parallel.expert_shards(shards, run.model_config(), ep_rank, run.ep)
     if run.model_config().tie_embeddings:
         shards["lm_head.weight"] = shards["tok_emb.weight"]
     return shards
 
 
 __all__ = ["PRECISIONS", "SCHEDULES", "OPTIMIZERS", "MEASURED_STEP", "TOLERANCES", "PARALLELISM", "Run",
-           "chapter_run", "validate",
+           "model_shape", "chapter_run", "validate",
            "build", "data", "make_mesh", "optimizer", "reference_optimizer", "train", "reference_run",
            "shared_reference", "losses", "assembled",
            "largest_difference", "differences", "reference_shards"]
