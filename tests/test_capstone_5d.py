@@ -1,7 +1,7 @@
 """The capstone in five dimensions (issue 38, item 1): a MoE GPT on 16 ranks, pp=2 × dp_shard=2 × cp=2 × tp=2,
 the experts folded onto dp_shard × cp (ep=4, as torchtitan folds them), sequence parallelism, interleaved 1F1B
-with vpp=2 and ring attention, in fp64, matching one process (``capstone.reference_run``) at every step's loss
-and in every parameter at the end, within ``capstone.TOLERANCES["fp64"]``.
+with vpp=2 and ring (or Ulysses) attention, in fp64, matching one process (``capstone.reference_run``) at
+every step's loss and in every parameter at the end, within ``capstone.TOLERANCES["fp64"]``.
 
 The model is chapter 08's MoE layer in every other block (blocks 1 and 3 of 4: with vpp=2 each of the 4
 pipeline chunks holds one block, so two chunks are dense), DDP over the data-parallel group (ZeRO-1 over it
@@ -17,8 +17,9 @@ first the check of its own dimension:
 - tp: what sequence parallelism sums over tp (the norms, the MoE layers) is bit for bit the same on every tp
   rank after training.
 
-Three faults are planted, each caught by its own check: tokens sent to the next expert rank, the zigzag's two
-chunks in reverse order, the sequence-parallel gradient all-reduce skipped.
+Three faults are planted, each caught first by its own check, and each failing the comparison with one process
+too: tokens sent to the next expert rank, the zigzag's two chunks in reverse order, the sequence-parallel
+gradient all-reduce skipped.
 
 Measured (2 shared cores, load average 6-8 from other jobs): 16 engines start in about 9 s; a step of the run
 takes the seconds the test prints (``seconds per step``); see the report of the session that added it.
@@ -171,6 +172,11 @@ def check(results, run, want) -> None:
                 assert torch.equal(t, twin["params"][run.steps][name]), \
                     f"tp: {name} differs between tp ranks 0 and {r['where']['tp']} (rank {r['rank']}): its " \
                     f"sequence-parallel gradient was not summed over tp"
+    compare(results, run, want)
+
+
+def compare(results, run, want) -> None:
+    """Every step's loss, and the parameters every ``run.every`` steps, against one process."""
     diff = capstone.differences(results, want, run)
     tol = capstone.TOLERANCES[run.precision]
     for step, (d, w) in enumerate(zip(diff["loss"], want["losses"])):
@@ -179,14 +185,16 @@ def check(results, run, want) -> None:
         assert d <= tol["params"], f"parameters after step {step}: {d:.2e} relative to one process"
 
 
-def test_the_5d_run_matches_one_process(sixteen):
-    run = five_d(steps=4, every=2)
+@pytest.mark.parametrize("attention", ["ring", "ulysses"])
+def test_the_5d_run_matches_one_process(sixteen, attention):
+    run = five_d(steps=4, every=2, attention=attention)
     started = time.perf_counter()
     results = sixteen.apply(_train, run)
     wall = time.perf_counter() - started
     want = capstone.reference_run(run, capstone.data(run))
     per_step = max(r["seconds"] for r in results) / (run.steps - 1)
-    print(f"5D run: {wall:.1f} s for {run.steps} steps on 16 ranks, seconds per step {per_step:.2f}")
+    print(f"5D run ({attention}): {wall:.1f} s for {run.steps} steps on 16 ranks, "
+          f"seconds per step {per_step:.2f}")
     assert len(results) == 16 and {r["where"]["cp"] for r in results} == {0, 1}
     check(results, run, want)
 
@@ -198,5 +206,8 @@ PLANTED = {"ep": r"^ep: ", "cp": r"^cp: ", "sp": r"^tp: "}
 def test_a_planted_fault_fails_its_dimension_first(sixteen, plant, message):
     run = five_d(steps=2, every=2)
     results = sixteen.apply(_train, run, plant)
+    want = capstone.reference_run(run, capstone.data(run))
     with pytest.raises(AssertionError, match=message):
-        check(results, run, capstone.reference_run(run, capstone.data(run)))
+        check(results, run, want)
+    with pytest.raises(AssertionError, match=r"^(loss of step|parameters after step) "):  # and not only there
+        compare(results, run, want)

@@ -72,14 +72,24 @@ def test_a_bad_layout_names_the_broken_constraint(stand_in, cfg, tp_size, names)
 
 def test_a_block_it_cannot_split_is_refused_before_anything_changes(stand_in):
     model = GPT(CFG, seed=0)
-    model.blocks[1].mlp = moe.MoELayer(moe.MoEConfig(**{**vars(CFG), "n_experts": 2, "top_k": 1}))
+    model.blocks[1].mlp = torch.nn.Identity()  # neither the book's MLP nor a MoE layer
     before = named_params(model)
-    with pytest.raises(ValueError, match=r"blocks\.1\.mlp is a \w+, not helpers\.model\.MLP"):
+    with pytest.raises(ValueError, match=r"blocks\.1\.mlp is a Identity, not helpers\.model\.MLP"):
         tensor_parallel.parallelize(model, StandInGroup(0, 2))
     assert sorted(named_params(model)) == sorted(before)
     twice = tensor_parallel.parallelize(GPT(CFG, seed=0), StandInGroup(0, 2))
     with pytest.raises(ValueError, match=r"blocks\.0\.attn is tensor-parallel already"):
         tensor_parallel.parallelize(twice, StandInGroup(0, 2))
+
+
+def test_a_moe_layer_stays_whole_and_under_sp_its_gradients_are_summed(stand_in):
+    model = GPT(CFG, seed=0)
+    model.blocks[1].mlp = moe.MoELayer(moe.MoEConfig(**{**vars(CFG), "n_experts": 2, "top_k": 1}))
+    whole = {n: t for n, t in named_params(model).items() if n.startswith("blocks.1.mlp.")}
+    tensor_parallel.parallelize(model, StandInGroup(0, 2), sequence_parallel=True)
+    assert type(model.blocks[1].mlp) is moe.MoELayer
+    for name, p in model.blocks[1].mlp.named_parameters():
+        assert torch.equal(p, whole["blocks.1.mlp." + name]) and p.sequence_parallel, name
 
 
 def test_a_good_layout_passes():
