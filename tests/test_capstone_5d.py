@@ -21,8 +21,13 @@ Three faults are planted, each caught first by its own check, and each failing t
 too: tokens sent to the next expert rank, the zigzag's two chunks in reverse order, the sequence-parallel
 gradient all-reduce skipped.
 
-Measured (2 shared cores, load average 6-8 from other jobs): 16 engines start in about 9 s; a step of the run
-takes the seconds the test prints (``seconds per step``); see the report of the session that added it.
+Measured on this machine (2 cores shared with other jobs, load average 7-24 while measuring): 16 engines start
+in 3.4-11.7 s; a step of this run takes 0.84-1.8 s on the 16 ranks (the test prints it, ``seconds per step``),
+the single process 0.1-0.2 s; the whole module about 30-40 s. With ``n_layers=4`` every chunk is one block, so
+the MoE layers (blocks 1 and 3) both sit on pipeline rank 1 (interleaving places chunk c on rank c mod pp),
+which alone sends ``ep`` bytes, and chunks 0 and 2 are dense: the path where ``expert_parallel.parallelize``
+leaves a MoE GPT's dense chunk as it is. ``n_layers=8`` puts one MoE layer in every chunk, at about twice the
+step time (1.7 s at load 18).
 """
 
 import time
@@ -83,6 +88,7 @@ def _train(run, plant=None):
 
     from helpers.parallel import blockwise_attention, context_parallel, expert_parallel
     from helpers.parallel import tensor_parallel
+    from helpers.reference import named_params
     from helpers.training import capstone
 
     Layer = expert_parallel.ExpertParallelMoE
@@ -128,6 +134,9 @@ def _train(run, plant=None):
         mesh = capstone.make_mesh(run)
         out = capstone.train(run, mesh, capstone.data(run))
         out["positions"] = positions[-1] if positions else None
+        shards = capstone.reference_shards(named_params(capstone.build(run)), run, mesh)
+        out["unlike_reference_shards"] = [n for n, t in out["params"][0].items()
+                                          if not torch.equal(t, shards[n])]
         out["misrouted"] = []
         group = mesh.group(run.dp_dim)
         for i, layer in enumerate(seen):  # the same layers, in the same order, on every rank of the group
@@ -196,6 +205,10 @@ def test_the_5d_run_matches_one_process(sixteen, attention):
     print(f"5D run ({attention}): {wall:.1f} s for {run.steps} steps on 16 ranks, "
           f"seconds per step {per_step:.2f}")
     assert len(results) == 16 and {r["where"]["cp"] for r in results} == {0, 1}
+    for r in results:  # each rank started from its slice of the one model (capstone.reference_shards)
+        assert not r["unlike_reference_shards"], (r["rank"], r["unlike_reference_shards"])
+    sent_along = set().union(*(r["traffic"] for r in results))  # the measured step's bytes, by dimension
+    assert sent_along == {"pp", "dp_shard_cp", "cp", "tp", "ep"}, sent_along
     check(results, run, want)
 
 
