@@ -50,6 +50,19 @@ def test_parallelize_refuses_a_model_without_moe_layers():
         expert_parallel.parallelize(GPT(small_config()))
 
 
+def test_moe_every_other_block_and_a_dense_chunk_left_as_it_is():
+    from helpers.parallel import pipeline_parallel
+
+    cfg = replace(CFG, n_layers=4, moe_every=2)
+    model = moe.MoEGPT(cfg, seed=0)
+    assert [type(b.mlp).__name__ for b in model.blocks] == ["MLP", "MoELayer", "MLP", "MoELayer"]
+    assert model.moe_layers() == [model.blocks[1].mlp, model.blocks[3].mlp]
+    dense = pipeline_parallel.pipeline_chunk(model, 0, 4)  # block 0 alone: nothing to split, nothing refused
+    assert expert_parallel.parallelize(dense) is dense and dense.moe_layers() == []
+    with pytest.raises(ValueError, match="moe_every=5 must be in 1..n_layers=4"):
+        replace(cfg, moe_every=5)
+
+
 def test_the_load_balancing_loss_is_one_at_perfect_balance_and_E_at_collapse():
     E, tokens = 8, 64
     uniform = torch.full((tokens, E), 1 / E, dtype=torch.float64)
