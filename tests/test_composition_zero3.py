@@ -1,0 +1,112 @@
+"""Chapter 10's composition under ZeRO-3 (chapter 04's ``zero.Zero3``), on 8 ranks, against one process.
+
+``composition.train`` with ``zero=3`` shards every dense parameter over the data-parallel group
+(``dp_shard_cp``: data and context parallelism together, as torchtitan's FSDP shards), one ``Zero3`` per
+pipeline chunk: its units are the chunk's blocks and a root (embeddings, final norm, head). It runs composed
+with tensor parallelism and sequence parallelism, with replicated KV heads (``n_kv_heads=1`` under ``tp=2``),
+with a two-stage pipeline under 1F1B and interleaved 1F1B (``vpp=2``: two chunks per rank, two ZeRO-3s, two
+micro-batches whose gradients sum before the step's reduce-scatter), with tied embeddings across the stages,
+and with context parallelism. Each step's loss within 1e-12 relative of one process's and every parameter
+after three AdamW steps within 1e-10 of its tensor's largest entry: the tolerances of
+tests/test_composition.py, for the same reason (fp64, and the grid only reorders sums; ZeRO-3 adds one more
+reordering, the reduce-scatter's, and copies, which are exact). Every data-parallel replica's gathered
+parameters agree within 1e-12.
+
+The communication pattern is checked from the ledger of step 1: over the data-parallel dimension the rank
+ran all-gathers (the root once, each block before its forward and its backward, per micro-batch) and one
+reduce-scatter per unit, and no all-reduce; and between steps every parameter's own storage is empty (zero
+bytes), each rank holding only its flat shards, ``1/N`` of the rows.
+"""
+
+import ipyparallel as ipp
+import pytest
+
+from conftest import assert_close_to_scale, seeded_batch, small_config
+from helpers.model import GPT
+from helpers.parallel.parallel_dims import ParallelDims
+
+LR, STEPS = 1e-2, 3
+RUNS = {  # (the run, the model): 8 ranks each
+    "dp_shard 4 x tp 2, SP, KV replicated": (
+        ParallelDims(dp_shard=4, tp=2, sequence_parallel=True, zero=3), dict(n_heads=4, n_kv_heads=1)),
+    "pp 2 x dp_shard 2 x tp 2, SP, 1F1B": (
+        ParallelDims(pp=2, dp_shard=2, tp=2, sequence_parallel=True, zero=3, m=2),
+        dict(n_heads=8, n_kv_heads=4)),
+    "pp 2 x dp_shard 2 x tp 2, interleaved vpp 2": (
+        ParallelDims(pp=2, dp_shard=2, tp=2, sequence_parallel=True, zero=3, m=2, schedule="interleaved",
+                     vpp=2), dict(n_layers=4, n_heads=8, n_kv_heads=4)),
+    "dp_shard 2 x cp 2 x tp 2": (
+        ParallelDims(dp_shard=2, cp=2, tp=2, zero=3), dict(n_heads=8, n_kv_heads=4, seq_len=16)),
+}
+
+
+@ipp.interactive  # sent by value: the engines cannot import this test module
+def _trained(cfg, run, data, lr):
+    from helpers.model import GPT
+    from helpers.parallel import composition, zero
+
+    made = []  # the optimizer train() makes: its ZeRO-3s, one per chunk
+    optimizer = composition.optimizer
+    composition.optimizer = lambda *args, **kw: made.append(optimizer(*args, **kw)) or made[-1]
+    try:
+        mesh = run.mesh().make_groups()
+        out = composition.train(GPT(cfg, seed=0).double(), mesh, run, data, lr)
+    finally:
+        composition.optimizer = optimizer
+    zeros, n = made[0].zeros, mesh.size(run.dp_dim)
+    out["held"] = [z.names[p] for z in zeros for p in z.params if p.untyped_storage().nbytes()]
+    out["shard elements"] = sum(flat.numel() for z in zeros for flat in z.flats)
+    out["want elements"] = sum(zero.shard_shape(p, n).numel() for z in zeros for p in z.params)
+    out["full elements"] = sum(p.numel() for z in zeros for p in z.params)
+    out["units"] = [(bool(z.units[0]), len(z.units) - 1) for z in zeros]
+    return out
+
+
+@pytest.mark.parametrize("run, shape", RUNS.values(), ids=RUNS.keys())
+def test_zero3_composed_matches_one_process_and_shards(eight, run, shape):
+    from helpers.parallel import composition
+    from helpers.reference import named_params, train_steps
+
+    cfg = small_config(**shape)
+    data = [seeded_batch(cfg, 8, seed=s) for s in range(STEPS)]
+    reference = GPT(cfg, seed=0).double()
+    losses = train_steps(reference, data, lr=LR)
+    results = eight.apply(_trained, cfg, run, data, LR)
+
+    last = [r for r in results if r["losses"][0] is not None]
+    for step, want in enumerate(losses):  # each rank's loss is its own tokens' mean (rows, cp positions)
+        got = sum(r["losses"][step] for r in last) / len(last)
+        assert got == pytest.approx(want, rel=1e-12), f"step {step}"
+    params, others = composition.assemble(results, cfg, "params")
+    want = named_params(reference)
+    if run.pp > 1:
+        params.pop("lm_head.weight", None)  # the last stage's copy of the tied embedding
+    assert_close_to_scale(params, want, 1e-10, f"parameters after {STEPS} AdamW steps:")
+    assert len(others) == run.dp_shard * run.cp - 1
+    for i, part in enumerate(others):  # every replica gathers the same parameters
+        common = [n for n in part if n in params]
+        assert_close_to_scale({n: part[n] for n in common}, {n: params[n] for n in common}, 1e-12,
+                              f"replica {i + 1}:")
+
+    for r in results:  # between steps, only the shards: no parameter keeps its full storage
+        assert r["held"] == [], f"rank holds full parameters after the step: {r['held']}"
+        assert r["shard elements"] == r["want elements"] < r["full elements"]
+        dp = {(c, numel): count for (dim, c, numel), (count, _) in r["messages"].items()
+              if dim in ("dp_shard", "dp_shard_cp")}
+        calls = {c: sum(n for (name, _), n in dp.items() if name == c) for c in {c for c, _ in dp}}
+        roots = sum(root for root, _ in r["units"])
+        blocks = sum(b for _, b in r["units"])
+        assert calls == {"all_gather": roots + 2 * blocks * run.m, "reduce_scatter": roots + blocks}, calls
+
+
+def test_the_composition_refuses_what_zero3_does_not_run():
+    from helpers.parallel import composition
+
+    composition.check(ParallelDims(zero=3, pp=2, dp_shard=2, tp=2))
+    for change, message in [
+        (dict(zero=2), r"zero=2: chapter 10's composition runs DDP \(zero=0\), ZeRO-1 \(zero=1\) or ZeRO-3"),
+        (dict(zero=3, dp_shard=2, ep=2), r"zero=3 with ep=2: chapter 10's composition shards dense"),
+        (dict(zero=3, pp=2, schedule="zb-h1"), r"zero=3 with schedule='zb-h1'"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            composition.check(ParallelDims(**change))
