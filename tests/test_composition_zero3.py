@@ -14,8 +14,10 @@ parameters agree within 1e-12.
 
 The communication pattern is checked from the ledger of step 1: over the data-parallel dimension the rank
 ran all-gathers (the root once, each block before its forward and its backward, per micro-batch) and one
-reduce-scatter per unit, and no all-reduce; and between steps every parameter's own storage is empty (zero
-bytes), each rank holding only its flat shards, ``1/N`` of the rows.
+reduce-scatter per unit, and no all-reduce; whenever a block is gathered it is the only whole block on the
+rank (each chunk of these runs has two, or the rank two chunks of one), so no rank ever holds every unit's
+parameters at once; and between steps every parameter's own storage is empty (zero bytes), each rank
+holding only its flat shards, ``1/N`` of the rows.
 """
 
 import ipyparallel as ipp
@@ -31,7 +33,7 @@ RUNS = {  # (the run, the model): 8 ranks each
         ParallelDims(dp_shard=4, tp=2, sequence_parallel=True, zero=3), dict(n_heads=4, n_kv_heads=1)),
     "pp 2 x dp_shard 2 x tp 2, SP, 1F1B": (
         ParallelDims(pp=2, dp_shard=2, tp=2, sequence_parallel=True, zero=3, m=2),
-        dict(n_heads=8, n_kv_heads=4)),
+        dict(n_layers=4, n_heads=8, n_kv_heads=4)),
     "pp 2 x dp_shard 2 x tp 2, interleaved vpp 2": (
         ParallelDims(pp=2, dp_shard=2, tp=2, sequence_parallel=True, zero=3, m=2, schedule="interleaved",
                      vpp=2), dict(n_layers=4, n_heads=8, n_kv_heads=4)),
@@ -45,15 +47,21 @@ def _trained(cfg, run, data, lr):
     from helpers.model import GPT
     from helpers.parallel import composition, zero
 
-    made = []  # the optimizer train() makes: its ZeRO-3s, one per chunk
-    optimizer = composition.optimizer
+    made, at_gather = [], []  # the optimizer train() makes (its ZeRO-3s, one per chunk); blocks held
+    optimizer, gather = composition.optimizer, zero.Zero3._gather
+
+    def counted(self, i, then=None):  # after each gather: how many blocks of this rank's chunks are whole
+        gather(self, i, then)
+        at_gather.append(sum(z._gathered(j) for z in made[0].zeros for j in range(1, len(z.units))))
     composition.optimizer = lambda *args, **kw: made.append(optimizer(*args, **kw)) or made[-1]
+    zero.Zero3._gather = counted
     try:
         mesh = run.mesh().make_groups()
         out = composition.train(GPT(cfg, seed=0).double(), mesh, run, data, lr)
     finally:
-        composition.optimizer = optimizer
+        composition.optimizer, zero.Zero3._gather = optimizer, gather
     zeros, n = made[0].zeros, mesh.size(run.dp_dim)
+    out["most blocks held"] = max(at_gather)
     out["held"] = [z.names[p] for z in zeros for p in z.params if p.untyped_storage().nbytes()]
     out["shard elements"] = sum(flat.numel() for z in zeros for flat in z.flats)
     out["want elements"] = sum(zero.shard_shape(p, n).numel() for z in zeros for p in z.params)
@@ -97,6 +105,7 @@ def test_zero3_composed_matches_one_process_and_shards(eight, run, shape):
         roots = sum(root for root, _ in r["units"])
         blocks = sum(b for _, b in r["units"])
         assert calls == {"all_gather": roots + 2 * blocks * run.m, "reduce_scatter": roots + blocks}, calls
+        assert r["most blocks held"] == 1 < blocks, "a block's parameters outlived its forward or backward"
 
 
 def test_the_composition_refuses_what_zero3_does_not_run():
