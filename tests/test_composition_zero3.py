@@ -1,7 +1,7 @@
-"""Chapter 10's composition under ZeRO-3 (chapter 04's ``zero.Zero3``), on 8 ranks, against one process.
+"""Chapter 10's composition under ZeRO-3 (``zero.Zero3ReduceAtStep``), on 8 ranks, against one process.
 
 ``composition.train`` with ``zero=3`` shards every dense parameter over the data-parallel group
-(``dp_shard_cp``: data and context parallelism together, as torchtitan's FSDP shards), one ``Zero3`` per
+(``dp_shard_cp``: data and context parallelism together, as torchtitan's FSDP shards), one ZeRO-3 per
 pipeline chunk: its units are the chunk's blocks and a root (embeddings, final norm, head). It runs composed
 with tensor parallelism and sequence parallelism, with replicated KV heads (``n_kv_heads=1`` under ``tp=2``),
 with a two-stage pipeline under 1F1B and interleaved 1F1B (``vpp=2``: two chunks per rank, two ZeRO-3s, two

@@ -18,11 +18,12 @@ each gradient over the group that holds the other parts of it:
   ZeRO-3 inside :func:`optimizer`'s step (chapter 04); with experts, chapter 08's ``finish_gradients`` over
   the expert-parallel group, which is folded onto those same ranks.
 
-Under ZeRO-3 each chunk is chapter 04's ``zero.Zero3`` over the data-parallel group, its units the chunk's
-blocks and a root (the embeddings, the final norm and head it holds): a block is gathered before each forward
-and each backward and freed after, the root for the step. The reduce-scatter waits for the step, as
-``torch.distributed.pipelining`` makes FSDP2 wait for the last micro-batch: the full gradients are first
-summed over ``tp`` and the embedding group, so each reduction completes before the next one cuts it.
+Under ZeRO-3 each chunk is chapter 04's ZeRO-3 over the data-parallel group (``zero.Zero3ReduceAtStep``), its
+units the chunk's blocks and a root (the embeddings, the final norm and head it holds): a block is gathered
+before each forward and each backward and freed after, the root for the step. The reduce-scatter waits for
+the step, as ``torch.distributed.pipelining`` makes FSDP2 wait for the last micro-batch: the full gradients
+are first summed over ``tp`` and the embedding group, so each reduction completes before the next one cuts
+it.
 
 :func:`state` is what a rank hands back for the checks, :func:`assemble` puts the ranks' tensors back under
 the reference's names, and :func:`traffic_by_dimension` splits the ledger's bytes by the mesh dimension of the
@@ -167,10 +168,10 @@ def check(run: ParallelDims) -> None:
 
 
 class ChunksZero3:
-    """ZeRO-3 on a rank's chunks: one chapter-04 ``zero.Zero3`` per chunk (the optimizer of each holds the
-    chunk's shards), stepped together; each step reduce-scatters every unit's gradients first."""
+    """ZeRO-3 on a rank's chunks: one chapter-04 ``zero.Zero3ReduceAtStep`` per chunk (the optimizer of each
+    holds the chunk's shards), stepped together; each step reduce-scatters every unit's gradients first."""
 
-    def __init__(self, zeros: list[zero.Zero3]):
+    def __init__(self, zeros: list[zero.Zero3ReduceAtStep]):
         self.zeros = zeros
 
     def step(self) -> None:
@@ -193,8 +194,8 @@ def optimizer(chunks: dict, mesh: Mesh, run: ParallelDims, lr: float):
         if any(isinstance(chunk, MoEGPT) for chunk in chunks.values()):
             raise ValueError("zero=3 on a MoE GPT: chapter 10's composition shards dense GPTs only")
         for chunk in chunks.values():  # each chunk keeps its ZeRO-3, which can gather it (params)
-            chunk._zero3 = zero.Zero3(chunk, list(chunk.blocks.values()), mesh.group(run.dp_dim),
-                                      reduce_in_backward=False, lr=lr)
+            chunk._zero3 = zero.Zero3ReduceAtStep(chunk, list(chunk.blocks.values()), mesh.group(run.dp_dim),
+                                                  lr=lr)
             chunk._zero3.memory.recording = False  # chapter 04 measures memory; a training loop need not
         return ChunksZero3([chunk._zero3 for chunk in chunks.values()])
     return torch.optim.AdamW(module.parameters(), lr=lr)
