@@ -7,7 +7,8 @@ with tensor parallelism and sequence parallelism, with replicated KV heads (``n_
 with a two-stage pipeline under 1F1B and interleaved 1F1B (``vpp=2``: two chunks per rank, two ZeRO-3s, two
 micro-batches whose gradients sum before the step's reduce-scatter), with tied embeddings across the stages,
 and with context parallelism. Each step's loss within 1e-12 relative of one process's and every parameter
-after three AdamW steps within 1e-10 of its tensor's largest entry: the tolerances of
+after three AdamW steps within 1e-10 of its tensor's largest entry (and step 1's gradients, which each
+replica hands back before the reduce-scatter, averaged over the replicas), the tolerances of
 tests/test_composition.py, for the same reason (fp64, and the grid only reorders sums; ZeRO-3 adds one more
 reordering, the reduce-scatter's, and copies, which are exact). Every data-parallel replica's gathered
 parameters agree within 1e-12.
@@ -73,11 +74,14 @@ def _trained(cfg, run, data, lr):
 @pytest.mark.parametrize("run, shape", RUNS.values(), ids=RUNS.keys())
 def test_zero3_composed_matches_one_process_and_shards(eight, run, shape):
     from helpers.parallel import composition
-    from helpers.reference import named_params, train_steps
+    from helpers.reference import named_grads, named_params, train_steps
 
     cfg = small_config(**shape)
     data = [seeded_batch(cfg, 8, seed=s) for s in range(STEPS)]
     reference = GPT(cfg, seed=0).double()
+    reference(*data[0])[1].backward()
+    first_grads = named_grads(reference)
+    reference.zero_grad()
     losses = train_steps(reference, data, lr=LR)
     results = eight.apply(_trained, cfg, run, data, LR)
 
@@ -95,6 +99,12 @@ def test_zero3_composed_matches_one_process_and_shards(eight, run, shape):
         common = [n for n in part if n in params]
         assert_close_to_scale({n: part[n] for n in common}, {n: params[n] for n in common}, 1e-12,
                               f"replica {i + 1}:")
+
+    # step 1's gradients, handed back before the reduce-scatter: each replica's own, summed over tp and the
+    # embedding group already; their mean over the replicas is one process's
+    grads, others = composition.assemble(results, cfg, "grads")
+    mean = {n: sum(part[n] for part in [grads, *others]) / (1 + len(others)) for n in first_grads}
+    assert_close_to_scale(mean, first_grads, 1e-10, "step 1's gradients, averaged over the replicas:")
 
     for r in results:  # between steps, only the shards: no parameter keeps its full storage
         assert r["held"] == [], f"rank holds full parameters after the step: {r['held']}"
