@@ -140,7 +140,11 @@ def reduce_gradients(chunk, mesh: Mesh, run: ParallelDims) -> None:
         tensor_parallel.allreduce_replicated_kv_grads(chunk, mesh.group("tp"))
     if mesh.size(run.dp_dim) == 1:
         return
-    if isinstance(chunk, MoEGPT):  # experts' gradients already summed by the all-to-all's backward
+    if isinstance(chunk, MoEGPT) and run.zero == 3:  # the dense ones wait for ZeRO-3's reduce-scatter
+        for name, p in chunk.named_parameters():  # finish_gradients' division of the experts' sums
+            if expert_parallel.is_expert(name):
+                p.grad /= mesh.size(run.dp_dim)
+    elif isinstance(chunk, MoEGPT):  # experts' gradients already summed by the all-to-all's backward
         expert_parallel.finish_gradients(chunk, mesh.group(run.dp_dim))
     elif run.zero == 0:
         buckets = data_parallel.build_buckets(list(chunk.parameters()), run.cap_bytes)
@@ -149,8 +153,8 @@ def reduce_gradients(chunk, mesh: Mesh, run: ParallelDims) -> None:
 
 def check(run: ParallelDims) -> None:
     """What the composition adds to a run's own rules: the data-parallel group reduces by DDP, ZeRO-1 or
-    ZeRO-3 (the dense parameters: experts are not sharded), and every activation is kept (recomputation is
-    the calculator's, chapter 01)."""
+    ZeRO-3 (the dense parameters: each rank's experts are its own), and every activation is kept
+    (recomputation is the calculator's, chapter 01)."""
     if run.recompute != "none":
         raise ValueError(f"recompute={run.recompute!r}: chapter 10's composition keeps every activation "
                          f"(recompute='none'); chapter 01's calculator models recomputation")
@@ -159,28 +163,48 @@ def check(run: ParallelDims) -> None:
                          "(zero=3); ZeRO-2's reduce-scatter in backward would cut each gradient before "
                          "composition.reduce_gradients completes the tensor-parallel ones, and deferred to "
                          "the step it is ZeRO-1")
-    if run.zero == 3 and run.ep > 1:
-        raise ValueError(f"zero=3 with ep={run.ep}: chapter 10's composition shards dense parameters only; "
-                         f"run the experts with zero=0 or 1")
     if run.zero == 3 and run.schedule == "zb-h1" and run.pp > 1:
         raise ValueError("zero=3 with schedule='zb-h1': ZeRO-3 gathers a block before its backward, and the "
                          "zero-bubble weight step runs after it, outside the block's hooks")
 
 
+class Dense:
+    """A module seen without chapter 08's experts (its parameters and their names only; the rest is the
+    module's): what ZeRO-3 shards. Each rank's experts are its own, whole, not copies to shard."""
+
+    def __init__(self, module: nn.Module):
+        self.module = module
+
+    def named_parameters(self):
+        return [(n, p) for n, p in self.module.named_parameters() if not expert_parallel.is_expert(n)]
+
+    def parameters(self):
+        return [p for _, p in self.named_parameters()]
+
+    def __getattr__(self, name):
+        return getattr(self.module, name)
+
+
 class ChunksZero3:
     """ZeRO-3 on a rank's chunks: one chapter-04 ``zero.Zero3ReduceAtStep`` per chunk (the optimizer of each
-    holds the chunk's shards), stepped together; each step reduce-scatters every unit's gradients first."""
+    holds the chunk's shards), stepped together; each step reduce-scatters every unit's gradients first. A MoE
+    GPT's experts take plain AdamW (``experts``)."""
 
-    def __init__(self, zeros: list[zero.Zero3ReduceAtStep]):
+    def __init__(self, zeros: list[zero.Zero3ReduceAtStep], experts: list[nn.Parameter], lr: float):
         self.zeros = zeros
+        self.experts = torch.optim.AdamW(experts, lr=lr) if experts else None
 
     def step(self) -> None:
         for z in self.zeros:
             z.step()
+        if self.experts:
+            self.experts.step()
 
     def zero_grad(self) -> None:
         for z in self.zeros:
             z.zero_grad()
+        if self.experts:
+            self.experts.zero_grad()
 
 
 def optimizer(chunks: dict, mesh: Mesh, run: ParallelDims, lr: float):
@@ -191,13 +215,12 @@ def optimizer(chunks: dict, mesh: Mesh, run: ParallelDims, lr: float):
     if run.zero == 1 and mesh.size(run.dp_dim) > 1:
         return zero.ShardedAdamW(module, 1, mesh.group(run.dp_dim), lr=lr)
     if run.zero == 3 and mesh.size(run.dp_dim) > 1:
-        if any(isinstance(chunk, MoEGPT) for chunk in chunks.values()):
-            raise ValueError("zero=3 on a MoE GPT: chapter 10's composition shards dense GPTs only")
         for chunk in chunks.values():  # each chunk keeps its ZeRO-3, which can gather it (params)
-            chunk._zero3 = zero.Zero3ReduceAtStep(chunk, list(chunk.blocks.values()), mesh.group(run.dp_dim),
-                                                  lr=lr)
+            chunk._zero3 = zero.Zero3ReduceAtStep(Dense(chunk), [Dense(b) for b in chunk.blocks.values()],
+                                                  mesh.group(run.dp_dim), lr=lr)
             chunk._zero3.memory.recording = False  # chapter 04 measures memory; a training loop need not
-        return ChunksZero3([chunk._zero3 for chunk in chunks.values()])
+        experts = [p for name, p in module.named_parameters() if expert_parallel.is_expert(name)]
+        return ChunksZero3([chunk._zero3 for chunk in chunks.values()], experts, lr)
     return torch.optim.AdamW(module.parameters(), lr=lr)
 
 
@@ -235,7 +258,7 @@ def params(chunks: dict) -> dict[str, torch.Tensor]:
     for chunk in chunks.values():
         if getattr(chunk, "_zero3", None) is not None:
             full = chunk._zero3.full_parameters()
-            out.update({name: full[p].detach().cpu().clone() for name, p in chunk.named_parameters()})
+            out.update({name: full.get(p, p).detach().cpu().clone() for name, p in chunk.named_parameters()})
         else:
             out.update({name: t.cpu() for name, t in named_params(chunk).items()})
     return out
@@ -309,5 +332,5 @@ def messages_by_dimension(mesh: Mesh, ledger=LEDGER) -> dict[tuple[str, str, int
 
 
 __all__ = ["layout", "schedule", "apply", "holder", "my_batch", "forward_backward",
-           "reduce_gradients", "check", "ChunksZero3", "optimizer", "train", "params", "state",
+           "reduce_gradients", "check", "Dense", "ChunksZero3", "optimizer", "train", "params", "state",
            "messages_by_dimension", "assemble", "traffic_by_dimension"]
