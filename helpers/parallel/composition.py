@@ -164,8 +164,9 @@ def check(run: ParallelDims) -> None:
                          "composition.reduce_gradients completes the tensor-parallel ones, and deferred to "
                          "the step it is ZeRO-1")
     if run.zero == 3 and run.schedule == "zb-h1" and run.pp > 1:
-        raise ValueError("zero=3 with schedule='zb-h1': ZeRO-3 gathers a block before its backward, and the "
-                         "zero-bubble weight step runs after it, outside the block's hooks")
+        raise ValueError("zero=3 with schedule='zb-h1': the zero-bubble weight step sets each gradient "
+                         "itself (pipeline_parallel.backward_weight), so ZeRO-3's post-accumulate hooks "
+                         "never see a block's backward end and its gathered parameters outlive it")
 
 
 class Dense:
