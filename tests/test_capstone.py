@@ -45,7 +45,7 @@ INVALID = {  # the change, and what the error must say
     "TP 4 x DP 2 x PP 2 on 8 ranks": (dict(tp=4), r"holds 2 \* 2 \* 4 = 16 ranks, but the world has 8"),
     "tp not dividing the heads": (dict(tp=3), r"tp=3 must divide n_heads=8"),
     "micro-batches not dividing the batch": (dict(m=3), r"dp\*m=6 must divide global_batch=8"),
-    "ZeRO-3 in the composition": (dict(zero=3), r"zero=3: chapter 10's composition runs DDP"),
+    "ZeRO-2 in the composition": (dict(zero=2), r"zero=2: chapter 10's composition runs DDP"),
     "Muon with tensor parallelism": (dict(optimizer="muon"), r"optimizer='muon' needs tp=1, not 2"),
     "Muon with more owners than matrices": (dict(optimizer="muon", tp=1, pp=1, m=1, dp_shard=8, n_layers=1,
                                                  sequence_parallel=False),

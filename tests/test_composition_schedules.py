@@ -120,7 +120,7 @@ def test_the_composition_refuses_a_mesh_of_other_degrees():
 
 
 @pytest.mark.parametrize("change, message", [
-    (dict(zero=2), r"zero=2: chapter 10's composition runs DDP \(zero=0\) or ZeRO-1 \(zero=1\)"),
+    (dict(zero=2), r"zero=2: chapter 10's composition runs DDP \(zero=0\), ZeRO-1 \(zero=1\) or ZeRO-3"),
     (dict(recompute="full"), r"recompute='full': chapter 10's composition keeps every activation"),
 ], ids=["zero-2", "recomputation"])
 def test_the_composition_refuses_what_it_does_not_run(change, message):

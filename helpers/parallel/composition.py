@@ -14,9 +14,16 @@ each gradient over the group that holds the other parts of it:
 - over ``tp``: the sequence-parallel norms' partial gradients and replicated KV heads' copies (chapter 05);
 - over the pipeline's embedding group: a tied embedding's two copies (chapter 06, inside ``run_schedule``);
 - over the data-parallel group ``dp_shard_cp`` (data and context parallelism together, as torchtitan's FSDP
-  shards over ``dp_shard × cp``): DDP's bucketed all-reduce (chapter 03), or ZeRO-1's reduce-scatter inside
-  :func:`optimizer` (chapter 04); with experts, chapter 08's ``finish_gradients`` over the expert-parallel
-  group, which is folded onto those same ranks.
+  shards over ``dp_shard × cp``): DDP's bucketed all-reduce (chapter 03), or the reduce-scatter of ZeRO-1 or
+  ZeRO-3 inside :func:`optimizer`'s step (chapter 04); with experts, chapter 08's ``finish_gradients`` over
+  the expert-parallel group, which is folded onto those same ranks.
+
+Under ZeRO-3 each chunk is chapter 04's ZeRO-3 over the data-parallel group (``zero.Zero3ReduceAtStep``), its
+units the chunk's blocks and a root (the embeddings, the final norm and head it holds): a block is gathered
+before each forward and each backward and freed after, the root for the step. The reduce-scatter waits for
+the step, as ``torch.distributed.pipelining`` makes FSDP2 wait for the last micro-batch: the full gradients
+are first summed over ``tp`` and the embedding group, so each reduction completes before the next one cuts
+it.
 
 :func:`state` is what a rank hands back for the checks, :func:`assemble` puts the ranks' tensors back under
 the reference's names, and :func:`traffic_by_dimension` splits the ledger's bytes by the mesh dimension of the
@@ -125,14 +132,19 @@ def forward_backward(chunks: dict, mesh: Mesh, run: ParallelDims, x: torch.Tenso
 
 def reduce_gradients(chunk, mesh: Mesh, run: ParallelDims) -> None:
     """The reductions a composition needs after backward: over ``tp`` what tensor parallelism holds twice,
-    then over the data-parallel group (DDP or, for ZeRO-1, nothing here: its optimizer reduce-scatters)."""
+    then over the data-parallel group (DDP or, for ZeRO-1 and ZeRO-3, nothing here: the optimizer's step
+    reduce-scatters)."""
     if mesh.size("tp") > 1:
         if run.sequence_parallel:
             tensor_parallel.allreduce_sequence_parallel_grads(chunk, mesh.group("tp"))
         tensor_parallel.allreduce_replicated_kv_grads(chunk, mesh.group("tp"))
     if mesh.size(run.dp_dim) == 1:
         return
-    if isinstance(chunk, MoEGPT):  # experts' gradients already summed by the all-to-all's backward
+    if isinstance(chunk, MoEGPT) and run.zero == 3:  # the dense ones wait for ZeRO-3's reduce-scatter
+        for name, p in chunk.named_parameters():  # finish_gradients' division of the experts' sums
+            if expert_parallel.is_expert(name):
+                p.grad /= mesh.size(run.dp_dim)
+    elif isinstance(chunk, MoEGPT):  # experts' gradients already summed by the all-to-all's backward
         expert_parallel.finish_gradients(chunk, mesh.group(run.dp_dim))
     elif run.zero == 0:
         buckets = data_parallel.build_buckets(list(chunk.parameters()), run.cap_bytes)
@@ -140,23 +152,76 @@ def reduce_gradients(chunk, mesh: Mesh, run: ParallelDims) -> None:
 
 
 def check(run: ParallelDims) -> None:
-    """What the composition adds to a run's own rules: the data-parallel group reduces by DDP or ZeRO-1, and
-    every activation is kept (recomputation is the calculator's, chapter 01)."""
+    """What the composition adds to a run's own rules: the data-parallel group reduces by DDP, ZeRO-1 or
+    ZeRO-3 (the dense parameters: each rank's experts are its own), and every activation is kept
+    (recomputation is the calculator's, chapter 01)."""
     if run.recompute != "none":
         raise ValueError(f"recompute={run.recompute!r}: chapter 10's composition keeps every activation "
                          f"(recompute='none'); chapter 01's calculator models recomputation")
-    if run.zero not in (0, 1):
-        raise ValueError(f"zero={run.zero}: chapter 10's composition runs DDP (zero=0) or ZeRO-1 (zero=1); "
-                         f"ZeRO-2 and -3 reduce-scatter each gradient during backward, before "
-                         f"composition.reduce_gradients completes the tensor-parallel ones")
+    if run.zero == 2:
+        raise ValueError("zero=2: chapter 10's composition runs DDP (zero=0), ZeRO-1 (zero=1) or ZeRO-3 "
+                         "(zero=3); ZeRO-2's reduce-scatter in backward would cut each gradient before "
+                         "composition.reduce_gradients completes the tensor-parallel ones, and deferred to "
+                         "the step it is ZeRO-1")
+    if run.zero == 3 and run.schedule == "zb-h1" and run.pp > 1:
+        raise ValueError("zero=3 with schedule='zb-h1': the zero-bubble weight step sets each gradient "
+                         "itself (pipeline_parallel.backward_weight), so ZeRO-3's post-accumulate hooks "
+                         "never see a block's backward end and its gathered parameters outlive it")
+
+
+class Dense:
+    """A module seen without chapter 08's experts (its parameters and their names only; the rest is the
+    module's): what ZeRO-3 shards. Each rank's experts are its own, whole, not copies to shard."""
+
+    def __init__(self, module: nn.Module):
+        self.module = module
+
+    def named_parameters(self):
+        return [(n, p) for n, p in self.module.named_parameters() if not expert_parallel.is_expert(n)]
+
+    def parameters(self):
+        return [p for _, p in self.named_parameters()]
+
+    def __getattr__(self, name):
+        return getattr(self.module, name)
+
+
+class ChunksZero3:
+    """ZeRO-3 on a rank's chunks: one chapter-04 ``zero.Zero3ReduceAtStep`` per chunk (the optimizer of each
+    holds the chunk's shards), stepped together; each step reduce-scatters every unit's gradients first. A MoE
+    GPT's experts take plain AdamW (``experts``)."""
+
+    def __init__(self, zeros: list[zero.Zero3ReduceAtStep], experts: list[nn.Parameter], lr: float):
+        self.zeros = zeros
+        self.experts = torch.optim.AdamW(experts, lr=lr) if experts else None
+
+    def step(self) -> None:
+        for z in self.zeros:
+            z.step()
+        if self.experts:
+            self.experts.step()
+
+    def zero_grad(self) -> None:
+        for z in self.zeros:
+            z.zero_grad()
+        if self.experts:
+            self.experts.zero_grad()
 
 
 def optimizer(chunks: dict, mesh: Mesh, run: ParallelDims, lr: float):
     """AdamW on this rank's chunks; with ``run.zero == 1`` chapter 04's ZeRO-1 over the data-parallel group
-    (it reduce-scatters the gradients, steps its rows, all-gathers the parameters)."""
+    (it reduce-scatters the gradients, steps its rows, all-gathers the parameters); with ``run.zero == 3``
+    chapter 04's ZeRO-3 on each chunk (:class:`ChunksZero3`), which frees the full parameters at once."""
     module = holder(chunks)
     if run.zero == 1 and mesh.size(run.dp_dim) > 1:
         return zero.ShardedAdamW(module, 1, mesh.group(run.dp_dim), lr=lr)
+    if run.zero == 3 and mesh.size(run.dp_dim) > 1:
+        for chunk in chunks.values():  # each chunk keeps its ZeRO-3, which can gather it (params)
+            chunk._zero3 = zero.Zero3ReduceAtStep(Dense(chunk), [Dense(b) for b in chunk.blocks.values()],
+                                                  mesh.group(run.dp_dim), lr=lr)
+            chunk._zero3.memory.recording = False  # chapter 04 measures memory; a training loop need not
+        experts = [p for name, p in module.named_parameters() if expert_parallel.is_expert(name)]
+        return ChunksZero3([chunk._zero3 for chunk in chunks.values()], experts, lr)
     return torch.optim.AdamW(module.parameters(), lr=lr)
 
 
@@ -175,7 +240,9 @@ def train(model, mesh: Mesh, run: ParallelDims, data, lr: float) -> dict:
         return forward_backward(chunks, mesh, run, xs, ys)[0]
     LEDGER.clear()
     first = step(*data[0])
+    booked = len(LEDGER.messages)
     out = state(chunks, mesh)
+    del LEDGER.messages[booked:]  # under ZeRO-3, gathering the parameters for the checks: not the step's
     opt.step()
     opt.zero_grad()
     out["traffic"], out["messages"] = traffic_by_dimension(mesh), messages_by_dimension(mesh)
@@ -186,8 +253,16 @@ def train(model, mesh: Mesh, run: ParallelDims, data, lr: float) -> dict:
 
 
 def params(chunks: dict) -> dict[str, torch.Tensor]:
-    """This rank's parameters under the reference's names, every chunk's, on the CPU."""
-    return {name: t.cpu() for chunk in chunks.values() for name, t in named_params(chunk).items()}
+    """This rank's parameters under the reference's names, every chunk's, on the CPU. Under ZeRO-3 each
+    chunk's are gathered first (one all-gather per unit over the data-parallel group: every rank calls it)."""
+    out = {}
+    for chunk in chunks.values():
+        if getattr(chunk, "_zero3", None) is not None:
+            full = chunk._zero3.full_parameters()
+            out.update({name: full.get(p, p).detach().cpu().clone() for name, p in chunk.named_parameters()})
+        else:
+            out.update({name: t.cpu() for name, t in named_params(chunk).items()})
+    return out
 
 
 def state(chunks: dict, mesh: Mesh, grads: bool = True) -> dict:
@@ -258,5 +333,5 @@ def messages_by_dimension(mesh: Mesh, ledger=LEDGER) -> dict[tuple[str, str, int
 
 
 __all__ = ["layout", "schedule", "apply", "holder", "my_batch", "forward_backward",
-           "reduce_gradients", "check", "optimizer", "train", "params", "state", "messages_by_dimension",
-           "assemble", "traffic_by_dimension"]
+           "reduce_gradients", "check", "Dense", "ChunksZero3", "optimizer", "train", "params", "state",
+           "messages_by_dimension", "assemble", "traffic_by_dimension"]

@@ -19,7 +19,8 @@ which is the all-gather's input as it stands; the all-gather's output is copied 
   for the whole step, as FSDP's root module is. Freeing resizes the parameter's storage to zero bytes and
   gathering resizes it back and copies into it, as FSDP does: the transposed views of the weights that
   autograd saves in forward share that storage, so they are freed with it and backward reads what was
-  gathered again.
+  gathered again. :class:`Zero3ReduceAtStep` (chapter 10's composition) keeps the full gradients to the step
+  and reduce-scatters them there, after the tensor-parallel and pipeline reductions.
 
 Every collective goes through :mod:`helpers.parallel.comms`, booked once in the chapter 02 ledger.
 :class:`helpers.measure.LiveMemory` measures what a rank holds from the storages alive at each moment
@@ -355,3 +356,40 @@ class Zero3:
             unpack_rows(comms.all_gather(flat, 0, self.group), padded, self.world_size)
             full.update({p: t[:self.rows[p]] for p, t in zip(unit, padded)})
         return {p: full[p] for p in self.params}
+
+
+class Zero3ReduceAtStep(Zero3):
+    """:class:`Zero3` whose reduce-scatter waits for the step (chapter 10's composition): each unit's full
+    gradients stay to the end of the step, summed over its micro-batches, as ``torch.distributed.pipelining``
+    makes FSDP2 wait for the last micro-batch's backward (gradient sync on the last backward only). A block is
+    still freed once its backward has produced its gradients and gathered again for the next; the root stays
+    gathered for the step. :meth:`step` first reduce-scatters every unit (:meth:`reduce_scatter_gradients`),
+    after whatever else the caller reduces (the tensor-parallel copies, a tied embedding's two stages) has
+    summed the full gradients, so each reduction completes before the next one cuts it."""
+
+    def _reduce_now(self, p: torch.nn.Parameter) -> None:
+        """Count ``p``'s gradient; after its block's last one, free the block's parameters (not its
+        gradients)."""
+        i = self.unit_of[p]
+        self.waiting[i] -= 1
+        if self.waiting[i] == 0 and i > 0:
+            self._free(i)
+
+    def reduce_scatter_gradients(self) -> None:
+        """Each unit's full gradients, one reduce-scatter per unit: this rank's rows of their average to its
+        shards; the full gradients and the unit's parameters go."""
+        missing = [self.names[p] for p in self.params if p.grad is None]
+        if missing:
+            raise ValueError(f"ZeRO-3: backward left no gradient for {', '.join(missing)}, so their units "
+                             f"cannot be reduce-scattered")
+        for i, unit in enumerate(self.units):
+            if unit:
+                accumulate_flat([self.shards[q] for q in unit],
+                                reduce_scatter_flat([q.grad for q in unit], self.group))
+                for q in unit:
+                    q.grad = None
+                self._free(i)
+
+    def step(self) -> None:
+        self.reduce_scatter_gradients()
+        super().step()
