@@ -53,6 +53,8 @@ EXCEPTIONS = {
     ("notebooks/03_ddp.md", "time_steps", "all_reduce"): "the slowest rank's time, after the timed steps",
     # control, not data the ledger describes
     ("helpers/training/capstone.py", "train", "barrier"): "every rank starts the measured step together",
+    ("helpers/training/checkpoint.py", "_check_names", "all_gather_object"):
+        "every rank's tensor names and problems, so that all ranks refuse a bad checkpoint alike",
     ("helpers/training/capstone.py", "shared_reference", "broadcast_object_list"):
         "rank 0's single-process reference run, sent as a Python object to check against",
     ("notebooks/09_mixed_precision.md", "scaler_checker", "all_gather_object"):

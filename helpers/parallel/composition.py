@@ -293,8 +293,10 @@ def assemble(results: list[dict], cfg, key: str) -> tuple[dict, list[dict]]:
             tensors = [r[key] for r in shards]
             part = tensor_parallel.unshard_state(tensors, cfg) if len(tensors) > 1 else dict(tensors[0])
             if moe:  # every replica holds other experts: the whole is over the replicas, in their order
+                # (each tp rank holds its replica's experts whole: tp rank 0's stand for them)
                 part = {n: t for n, t in part.items() if not expert_parallel.is_expert(n)}
-                experts = expert_parallel.unshard_experts([r[key] for r in sorted(mine, key=replica)])
+                experts = expert_parallel.unshard_experts([r[key] for r in sorted(mine, key=replica)
+                                                           if r["where"]["tp"] == 0])
                 part.update({n: t for n, t in experts.items() if expert_parallel.is_expert(n)})
             wholes.setdefault(rep, {}).update(part)
     first, *others = [wholes[rep] for rep in sorted(wholes)]

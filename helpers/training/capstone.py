@@ -308,10 +308,6 @@ def assembled(results: list[dict], run: Run, step: int) -> tuple[dict, list[dict
     cfg = run.model_config()
     states = [{"where": r["where"], "params": r["params"][step]} for r in results]
     whole, others = composition.assemble(states, cfg, "params")
-    if run.n_experts and run.tp > 1:  # every tp rank holds its replica's experts: take tp rank 0's
-        first, rest = composition.assemble([s for s in states if s["where"]["tp"] == 0], cfg, "params")
-        for part, ep_part in zip([whole, *others], [first, *rest]):
-            part.update({n: t for n, t in ep_part.items() if expert_parallel.is_expert(n)})
     for part in [whole, *others] if cfg.tie_embeddings else []:
         part.pop("lm_head.weight", None)
     return whole, others
