@@ -147,3 +147,26 @@ def test_the_composition_refuses_what_zero3_does_not_run():
     ]:
         with pytest.raises(ValueError, match=message):
             composition.check(ParallelDims(**change))
+
+
+@ipp.interactive  # sent by value: the engines cannot import this test module
+def _refusal(model, run, data, lr):
+    from helpers.parallel import composition
+
+    try:
+        composition.train(model, run.mesh().make_groups(), run, data, lr)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def test_zero1_with_experts_is_refused(eight):
+    """ZeRO-1 reduce-scatters every gradient over the data-parallel group, where each rank holds other
+    experts: it would average different experts' gradients, silently. The composition refuses it and names
+    the two choices that are right (the 5D capstone found it)."""
+    run, shape = RUNS["MoE, pp 2 x dp_shard 2 x cp 2, ep 4 folded"]
+    run = run.replace(zero=1)
+    cfg = _config(shape)
+    data = [seeded_batch(cfg, 8, seed=0)]
+    errors = eight.apply(_refusal, _model(cfg), run, data, LR)
+    assert all(e and e.startswith("zero=1 with experts") and "zero=3" in e for e in errors), errors

@@ -214,6 +214,10 @@ def optimizer(chunks: dict, mesh: Mesh, run: ParallelDims, lr: float):
     chapter 04's ZeRO-3 on each chunk (:class:`ChunksZero3`), which frees the full parameters at once."""
     module = holder(chunks)
     if run.zero == 1 and mesh.size(run.dp_dim) > 1:
+        if any(expert_parallel.is_expert(name) for name, _ in module.named_parameters()):
+            raise ValueError(f"zero=1 with experts: ZeRO-1 reduce-scatters every gradient over {run.dp_dim}, "
+                             f"where each rank holds other experts, so it would average different experts' "
+                             f"gradients; use zero=0 (DDP) or zero=3 (which shards only the dense ones)")
         return zero.ShardedAdamW(module, 1, mesh.group(run.dp_dim), lr=lr)
     if run.zero == 3 and mesh.size(run.dp_dim) > 1:
         for chunk in chunks.values():  # each chunk keeps its ZeRO-3, which can gather it (params)
