@@ -200,3 +200,34 @@ def test_a_missing_shard_file_is_named(eight, tmp_path):
     errors = [r["error"] for r in eight.apply(_train, RESUMED, STEPS, AT, str(path), resume=True)]
     assert all(f"shard file {victim} is missing" in e for e in errors), errors[0]
     shutil.rmtree(path)
+
+
+@ipp.interactive  # sent by value: the engines cannot import this test module
+def _save_zero3(path):
+    from helpers.parallel import composition
+    from helpers.reference import train_steps
+    from helpers.training import capstone, checkpoint
+
+    run = capstone.chapter_run(zero=3, steps=2, every=2)
+    mesh = capstone.make_mesh(run)
+    chunks = composition.apply(capstone.build(run).to(run.rank_device()), mesh, run)
+    opt = composition.optimizer(chunks, mesh, run, run.lr)
+    train_steps(None, capstone.data(run)[:1], optimizer=opt,
+                step=lambda x, y: composition.forward_backward(chunks, mesh, run, x, y)[0])
+    errors = []
+    for call in (lambda: checkpoint.save(chunks, mesh, run, 1, path),
+                 lambda: checkpoint.load(chunks, mesh, run, path)):
+        try:
+            call()
+        except checkpoint.CheckpointError as err:
+            errors.append(str(err))
+    return errors
+
+
+def test_a_zero3_run_is_refused_not_saved_empty(eight, tmp_path):
+    """Under ZeRO-3 a parameter's full storage is freed between uses: a save would find nothing whole to
+    slice. Both save and load refuse, on every rank, before DCP writes or reads a byte."""
+    path = tmp_path / "zero3"
+    errors = eight.apply(_save_zero3, str(path))
+    assert all(len(e) == 2 and all(m.startswith("zero=3: ZeRO-3 frees") for m in e) for e in errors), errors
+    assert not path.exists()

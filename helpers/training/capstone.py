@@ -159,9 +159,10 @@ def _validate_experts(run: Run) -> None:
     if run.ep != folded:
         raise ValueError(f"ep={run.ep}: chapter 10's composition folds the experts onto the whole "
                          f"data-parallel group {run.dp_dim} of {folded} ranks, so ep must be {folded}")
-    if run.zero != 0:
+    if run.zero not in (0, 3):
         raise ValueError(f"zero={run.zero} with experts: ZeRO-1 over {run.dp_dim} would average different "
-                         f"ranks' experts; a MoE run reduces by chapter 08's finish_gradients (zero=0)")
+                         f"ranks' experts; a MoE run reduces its experts by chapter 08's finish_gradients, "
+                         f"and its dense parameters by DDP (zero=0) or ZeRO-3 (zero=3)")
     if run.optimizer != "adamw":
         raise ValueError(f"optimizer={run.optimizer!r} with experts: the MoE run trains with AdamW")
 
@@ -241,8 +242,9 @@ def train(run: Run, mesh: Mesh, batches_, stage_seconds: dict | None = None) -> 
     chunks = composition.apply(build(run).to(device), mesh, run)
     opt = optimizer(chunks, mesh, run)
     memory = None
-    if run.optimizer == "adamw":  # ZeRO-1's own meter, or one over the plain AdamW
+    if run.optimizer == "adamw" and run.zero != 3:  # ZeRO-1's own meter, or one over the plain AdamW
         memory = getattr(opt, "memory", None) or LiveMemory(composition.holder(chunks), opt)
+    # (ZeRO-3's: chapter 04's per-unit meters, which the composition turns off; "held" stays None)
     coordinates = mesh.coordinates(dist.get_rank())
     out = {"rank": dist.get_rank(), "where": {name: coordinates.get(name, 0) for name in MESH_ORDER},
            "losses": [], "params": {}, "events": [], "held": None, "seconds": 0.0}

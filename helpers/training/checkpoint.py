@@ -183,10 +183,21 @@ def _set_moments(optimizer, param: nn.Parameter, moments: dict[str, torch.Tensor
 # ---------------------------------------------------------------------------------------------------------
 
 
+def _not_zero3(chunks: dict) -> None:
+    """Chapter 04's ZeRO-3 keeps a parameter as this rank's rows of a flat buffer and frees its full
+    storage between uses, so there is nothing whole to slice: refused, on every rank alike, not saved
+    empty."""
+    if any(getattr(chunk, "_zero3", None) is not None for chunk in chunks.values()):
+        raise CheckpointError("zero=3: ZeRO-3 frees each parameter's full storage between uses and keeps "
+                              "only its flat shard, which this checkpoint does not describe; save a run "
+                              "with zero=0 or zero=1")
+
+
 def save(chunks: dict, mesh: Mesh, run, step: int, path, optimizer=None) -> None:
     """Write the checkpoint of this rank's ``chunks`` (after ``step`` steps) under ``path``: every rank
     calls it; each writes only its slices (``__<rank>_0.distcp``), rank 0 the metadata too. With
     ``optimizer``, its AdamW moments and step count go with the parameters."""
+    _not_zero3(chunks)
     row = tp_row(mesh)
     state: dict = {STEP: torch.tensor(step, device="cpu")}  # the same on every rank: written once
     count = None
@@ -281,6 +292,7 @@ def load(chunks: dict, mesh: Mesh, run, path, optimizer=None) -> int:
     """Load the checkpoint at ``path`` into this rank's ``chunks`` (and ``optimizer``'s state, if given),
     whatever the layout that saved it; every rank calls it, ``run`` its description (named in the errors).
     Returns the step it was saved after."""
+    _not_zero3(chunks)
     md = metadata(path)
     check_files(path)
     row = tp_row(mesh)
