@@ -194,6 +194,9 @@ def test_the_controller_takes_its_ports_below_the_range_the_system_assigns():
 
     with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
         assigned_from = int(f.read().split()[0])
+    if not book_controller.ports():
+        pytest.skip(f"this system assigns ports from {assigned_from}: no room below for a pool, so the "
+                    f"controller takes ipyparallel's own ports")
     taken = socket.socket()
     try:
         first = [int(p) for p in book_controller.ports()[0].split("=")[1].split(",")]
@@ -216,6 +219,8 @@ def test_a_controller_that_never_pings_its_engines_is_replaced(monkeypatch):
     real = book_controller.ports
     thieves: list[socket.socket] = []
     monkeypatch.setattr(book_controller, "UNPINGED_BEATS", 4)  # 3.2 s, not 16 s, for each given-up start
+    if not real():
+        pytest.skip("no pool below the system's assigned ports here: the heart monitor's port is not known")
 
     def poisoned(times: int):
         def ports():
