@@ -115,6 +115,8 @@ def _device_mesh(row: tuple[int, ...], copies: int, device_type: str) -> DeviceM
     key = (row, copies, device_type)
     if key not in _MESHES:
         grid = torch.tensor(row, device="cpu").reshape(len(row) // copies, copies)  # ranks' numbers
+        # _init_backend=False (a private argument of torch 2.13.0's DeviceMesh): describe the ranks' grid
+        # without making process groups, which DCP does not need and every rank would otherwise have to join
         _MESHES[key] = DeviceMesh(device_type, grid, _init_backend=False)
     return _MESHES[key]
 
