@@ -20,7 +20,7 @@ import dataclasses
 import ipyparallel as ipp
 import pytest
 
-from helpers.training import capstone
+from helpers.training import capstone, capstone_checks
 
 VALID = {
     "TP 4 x PP 2": dict(tp=4, dp_shard=1),
@@ -125,9 +125,9 @@ def _check_every_copy(results, want, run):
 
     tol = capstone.TOLERANCES[run.precision]["params"]
     for step, params in want["params"].items():
-        whole, others = capstone.assembled(results, run, step)
+        whole, others = capstone_checks.assembled(results, run, step)
         for i, other in enumerate(others):
-            assert capstone.largest_difference(other, {n: params[n] for n in other}) <= tol, (step, i + 1)
+            assert capstone_checks.largest_difference(other, {n: params[n] for n in other}) <= tol, (step, i + 1)
             assert all(torch.equal(other[n], whole[n]) for n in other), f"replica {i + 1}, step {step}"
         if run.pp > 1 and run.model_config().tie_embeddings:
             for dp in range(run.dp):
@@ -142,7 +142,7 @@ def test_a_changed_run_matches_one_process(eight, change):
     run = capstone.chapter_run(**change, steps=4, every=2)
     results = eight.apply(_train, run)
     want = capstone.reference_run(run, capstone.data(run))
-    diff = capstone.differences(results, want, run)
+    diff = capstone_checks.differences(results, want, run)
     tol = capstone.TOLERANCES[run.precision]
     assert max(d / w for d, w in zip(diff["loss"], want["losses"])) <= tol["loss"]
     assert max(diff["params"].values()) <= tol["params"], diff["params"]
@@ -158,6 +158,6 @@ def test_a_broken_shard_offset_fails_the_capstone(eight):
     run = capstone.chapter_run(steps=4, every=2)
     results = eight.apply(_train, run, True)
     assert eight.apply(_shard_of_name) == ["shard_of"] * 8, "the module is restored on every rank"
-    diff = capstone.differences(results, capstone.reference_run(run, capstone.data(run)), run)
+    diff = capstone_checks.differences(results, capstone.reference_run(run, capstone.data(run)), run)
     assert diff["params"][0] == 0.0  # the model starts right: only the optimizer's shards are wrong
     assert diff["params"][2] > 1e6 * capstone.TOLERANCES[run.precision]["params"], diff["params"]

@@ -35,7 +35,7 @@ import time
 import ipyparallel as ipp
 import pytest
 
-from helpers.training import capstone
+from helpers.training import capstone, capstone_checks
 
 FIVE_D = dict(pp=2, dp_shard=2, cp=2, tp=2, ep=4, n_experts=8, top_k=2, moe_every=2, n_layers=4,
               schedule="interleaved", vpp=2, m=2, zero=0, sequence_parallel=True, attention="ring")
@@ -89,7 +89,7 @@ def _train(run, plant=None):
     from helpers.parallel import blockwise_attention, context_parallel, expert_parallel
     from helpers.parallel import tensor_parallel
     from helpers.reference import named_params
-    from helpers.training import capstone
+    from helpers.training import capstone, capstone_checks
 
     Layer = expert_parallel.ExpertParallelMoE
     saved, seen, positions = [], {}, []
@@ -134,7 +134,7 @@ def _train(run, plant=None):
         mesh = capstone.make_mesh(run)
         out = capstone.train(run, mesh, capstone.data(run))
         out["positions"] = positions[-1] if positions else None
-        shards = capstone.reference_shards(named_params(capstone.build(run)), run, mesh)
+        shards = capstone_checks.reference_shards(named_params(capstone.build(run)), run, mesh)
         out["unlike_reference_shards"] = [n for n, t in out["params"][0].items()
                                           if not torch.equal(t, shards[n])]
         out["misrouted"] = []
@@ -186,7 +186,7 @@ def check(results, run, want) -> None:
 
 def compare(results, run, want) -> None:
     """Every step's loss, and the parameters every ``run.every`` steps, against one process."""
-    diff = capstone.differences(results, want, run)
+    diff = capstone_checks.differences(results, want, run)
     tol = capstone.TOLERANCES[run.precision]
     for step, (d, w) in enumerate(zip(diff["loss"], want["losses"])):
         assert d / w <= tol["loss"], f"loss of step {step}: {d / w:.2e} relative to one process"
@@ -207,7 +207,7 @@ def test_the_5d_run_matches_one_process(sixteen, attention, zero):
     print(f"5D run ({attention}): {wall:.1f} s for {run.steps} steps on 16 ranks, "
           f"seconds per step {per_step:.2f}")
     assert len(results) == 16 and {r["where"]["cp"] for r in results} == {0, 1}
-    for r in results:  # each rank started from its slice of the one model (capstone.reference_shards)
+    for r in results:  # each rank started from its slice of the one model (capstone_checks.reference_shards)
         assert not r["unlike_reference_shards"], (r["rank"], r["unlike_reference_shards"])
     sent_along = set().union(*(r["traffic"] for r in results))  # the measured step's bytes, by dimension
     assert sent_along == {"pp", "dp_shard_cp", "cp", "tp", "ep"}, sent_along

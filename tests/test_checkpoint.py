@@ -24,7 +24,7 @@ import ipyparallel as ipp
 import pytest
 
 from helpers.model import GPT
-from helpers.training import capstone
+from helpers.training import capstone, capstone_checks
 
 STEPS, AT = 4, 2
 SAVED = dict()  # the capstone's run
@@ -77,7 +77,7 @@ def _train(layout, steps, at, path=None, save=False, resume=False, moments=True,
 
 def _whole(results, layout):
     run = capstone.chapter_run(**layout, steps=STEPS, every=STEPS)
-    return capstone.assembled(results, run, STEPS)[0]
+    return capstone_checks.assembled(results, run, STEPS)[0]
 
 
 @pytest.fixture(scope="module")
@@ -120,10 +120,10 @@ def test_resumed_on_another_layout_matches_the_uninterrupted_run(eight, saved, l
     resumed = eight.apply(_train, layout, STEPS, AT, str(path), resume=True)
     assert {r["start"] for r in resumed} == {AT}
     tol = capstone.TOLERANCES["fp64"]
-    want, got = capstone.losses(uninterrupted), capstone.losses(resumed)
+    want, got = capstone_checks.losses(uninterrupted), capstone_checks.losses(resumed)
     assert len(got) == STEPS - AT
     assert max(abs(a - b) / b for a, b in zip(got, want[AT:])) <= tol["loss"], (got, want)
-    off = capstone.largest_difference(_whole(resumed, layout), _whole(uninterrupted, SAVED))
+    off = capstone_checks.largest_difference(_whole(resumed, layout), _whole(uninterrupted, SAVED))
     assert off <= tol["params"], off
 
 
@@ -143,13 +143,13 @@ def test_saved_with_context_parallelism_or_interleaving_resumes_elsewhere(eight,
     uninterrupted = eight.apply(_train, source, STEPS, AT, str(path), save=True, **model)
     resumed = eight.apply(_train, target, STEPS, AT, str(path), resume=True, **model)
     tol = capstone.TOLERANCES["fp64"]
-    want, got = capstone.losses(uninterrupted), capstone.losses(resumed)
+    want, got = capstone_checks.losses(uninterrupted), capstone_checks.losses(resumed)
     assert max(abs(a - b) / b for a, b in zip(got, want[AT:])) <= tol["loss"], (got, want)
     whole = {}
     for results, layout in ((resumed, target), (uninterrupted, source)):
         run = capstone.chapter_run(**layout, **model, steps=STEPS, every=STEPS)
-        whole[layout is target] = capstone.assembled(results, run, STEPS)[0]
-    off = capstone.largest_difference(whole[True], whole[False])
+        whole[layout is target] = capstone_checks.assembled(results, run, STEPS)[0]
+    off = capstone_checks.largest_difference(whole[True], whole[False])
     assert off <= tol["params"], off
 
 
@@ -159,7 +159,7 @@ def test_a_load_without_resharding_or_moments_is_caught(eight, saved, plant):
     flags = {"neighbour": dict(neighbour=True), "no moments": dict(moments=False)}[plant]
     resumed = eight.apply(_train, RESUMED, STEPS, AT, str(path), resume=True, **flags)
     try:
-        off = capstone.largest_difference(_whole(resumed, RESUMED), _whole(uninterrupted, SAVED))
+        off = capstone_checks.largest_difference(_whole(resumed, RESUMED), _whole(uninterrupted, SAVED))
     except ValueError as err:  # the two copies of a KV head were read from different slices: refused
         assert plant == "neighbour" and "hold copies of the same KV head that differ" in str(err), err
         return

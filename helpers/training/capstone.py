@@ -17,8 +17,8 @@ by the modules of chapters 03-12, imported.
   (``reference.train_steps``). It keeps what chapter 15 checks: every step's loss, the parameters every
   ``every`` steps, and of one measured step the ledger's bytes by mesh dimension, the memory the rank holds
   (chapter 04's ``LiveMemory``) and its pipeline events (chapter 06's ``Timeline``).
-- :func:`reference_run` is the single process on the same batches, by the same loop; :func:`differences` and
-  :func:`reference_shards` compare the two, in the kernel or on a rank.
+- :func:`reference_run` is the single process on the same batches, by the same loop. Comparing the two (in the
+  kernel or on a rank) is ``helpers.training.capstone_checks``'.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from helpers import layout_rules
 from helpers.cost import model_size
 from helpers.data import make_tokens
 from helpers.model import GPT, GPTConfig
-from helpers.parallel import composition, expert_parallel, pipeline_parallel, tensor_parallel
+from helpers.parallel import composition, pipeline_parallel
 from helpers.parallel.ledger import LEDGER
 from helpers.parallel.mesh import FLATTENED, MESH_ORDER, Mesh
 from helpers.parallel.moe import MoEConfig, MoEGPT
@@ -288,70 +288,6 @@ def reference_run(run: Run, batches_) -> dict:
     return out
 
 
-def shared_reference(run: Run, batches_) -> dict:
-    """:func:`reference_run` computed once, on rank 0, and sent to every rank (each would only repeat it):
-    what each rank checks its own parameters against."""
-    box = [reference_run(run, batches_) if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
-def losses(results: list[dict]) -> list[float]:
-    """Each step's loss of the whole batch: the mean of the last stage's ranks' losses (each its rows' mean,
-    the tensor-parallel ranks of one replica holding the same)."""
-    last = [r["losses"] for r in results if r["losses"][0] is not None]
-    return [math.fsum(column) / len(column) for column in zip(*last)]
-
-
-def assembled(results: list[dict], run: Run, step: int) -> tuple[dict, list[dict]]:
-    """The reference's tensors after ``step`` steps, put together from every rank's (chapter 10's
-    ``composition.assemble``), and the same from every other data-parallel replica; a tied head's copy on the
-    last stage is left out (it is not one of the reference's tensors: it is checked against the embedding)."""
-    cfg = run.model_config()
-    states = [{"where": r["where"], "params": r["params"][step]} for r in results]
-    whole, others = composition.assemble(states, cfg, "params")
-    for part in [whole, *others] if cfg.tie_embeddings else []:
-        part.pop("lm_head.weight", None)
-    return whole, others
-
-
-def largest_difference(got: dict, want: dict) -> float:
-    """The largest of each tensor's ``max |got - want| / max |want|``: how far the worst tensor is, relative
-    to its own scale (the measure ``check_close`` holds to ``rtol``)."""
-    worst = 0.0
-    for name, w in want.items():
-        scale = w.abs().max().item()
-        worst = max(worst, (got[name].double() - w.double()).abs().max().item() / (scale or 1.0))
-    return worst
-
-
-def differences(results: list[dict], want: dict, run: Run) -> dict:
-    """Per step, ``|loss - loss of one process|``; every ``run.every`` steps, the largest parameter difference
-    (:func:`largest_difference`)."""
-    got = losses(results)
-    return {"loss": [abs(a - b) for a, b in zip(got, want["losses"])],
-            "params": {k: largest_difference(assembled(results, run, k)[0], want["params"][k])
-                       for k in sorted(want["params"])}}
-
-
-def reference_shards(full: dict, run: Run, mesh: Mesh) -> dict:
-    """This rank's slice of each of the single process's tensors, under the rank's names (chapter 05's
-    ``shard_state``; a tied head's copy on the last stage is the embedding's slice)."""
-    if run.tp == 1:
-        shards = dict(full)
-    else:
-        tp_rank = dist.get_rank(mesh.group("tp"))
-        shards = tensor_parallel.shard_state(full, run.model_config(), tp_rank, run.tp)
-    if run.n_experts and run.ep > 1:
-        ep_rank = dist.get_rank(mesh.group(run.dp_dim))
-        shards = expert_parallel.expert_shards(shards, run.model_config(), ep_rank, run.ep)
-    if run.model_config().tie_embeddings:
-        shards["lm_head.weight"] = shards["tok_emb.weight"]
-    return shards
-
-
 __all__ = ["PRECISIONS", "SCHEDULES", "OPTIMIZERS", "MEASURED_STEP", "TOLERANCES", "PARALLELISM", "Run",
            "model_shape", "chapter_run", "validate",
-           "build", "data", "make_mesh", "optimizer", "reference_optimizer", "train", "reference_run",
-           "shared_reference", "losses", "assembled",
-           "largest_difference", "differences", "reference_shards"]
+           "build", "data", "make_mesh", "optimizer", "reference_optimizer", "train", "reference_run"]
