@@ -127,7 +127,8 @@ def _check_every_copy(results, want, run):
     for step, params in want["params"].items():
         whole, others = capstone_checks.assembled(results, run, step)
         for i, other in enumerate(others):
-            assert capstone_checks.largest_difference(other, {n: params[n] for n in other}) <= tol, (step, i + 1)
+            off = capstone_checks.largest_difference(other, {n: params[n] for n in other})
+            assert off <= tol, (step, i + 1)
             assert all(torch.equal(other[n], whole[n]) for n in other), f"replica {i + 1}, step {step}"
         if run.pp > 1 and run.model_config().tie_embeddings:
             for dp in range(run.dp):
