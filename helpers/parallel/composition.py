@@ -330,14 +330,26 @@ def messages_by_dimension(mesh: Mesh, ledger=LEDGER) -> dict[tuple[str, str, int
     """What :func:`traffic_by_dimension` adds up, one entry per (dimension, collective, elements of the
     buffer): how many such calls or messages this rank sent, and their bytes."""
     out: dict = {}
-    for m in ledger.messages:
-        if m.direction == "send" and m.group_ranks is not None and len(m.group_ranks) > 1:
-            dim = "ep" if m.collective.startswith("moe_") else mesh.dimension_of(m.group_ranks) or "other"
-            count, sent = out.get((dim, m.collective, m.numel), (0, 0))
-            out[(dim, m.collective, m.numel)] = (count + 1, sent + m.nbytes)
+    for m in sent_along(ledger):
+        dim = dimension(mesh, m)
+        count, sent = out.get((dim, m.collective, m.numel), (0, 0))
+        out[(dim, m.collective, m.numel)] = (count + 1, sent + m.nbytes)
     return out
+
+
+def sent_along(ledger=LEDGER) -> list:
+    """The ledger's sends over a group of more than one rank: what moved along some mesh dimension."""
+    return [m for m in ledger.messages if m.direction == "send" and m.group_ranks and len(m.group_ranks) > 1]
+
+
+def dimension(mesh: Mesh, message) -> str:
+    """The mesh dimension a ledger message moved along: its group's, or ``ep`` for chapter 08's all-to-alls
+    (``moe_`` labels), which run on the data-parallel ranks expert parallelism is folded onto."""
+    if message.collective.startswith("moe_"):
+        return "ep"
+    return mesh.dimension_of(message.group_ranks) or "other"
 
 
 __all__ = ["layout", "schedule", "apply", "holder", "my_batch", "forward_backward",
            "reduce_gradients", "check", "Dense", "ChunksZero3", "optimizer", "train", "params", "state",
-           "messages_by_dimension", "assemble", "traffic_by_dimension"]
+           "messages_by_dimension", "sent_along", "dimension", "assemble", "traffic_by_dimension"]

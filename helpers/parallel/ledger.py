@@ -26,7 +26,8 @@ time is :mod:`helpers.cost.collective_costs`.
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 
 from helpers.cost.collective_costs import all_to_all_bytes, expected_bytes
 
@@ -53,6 +54,9 @@ class Message:
     dtype: str | None = None  # its dtype, as ``str(tensor.dtype)``
     element_size: int | None = None  # bytes per element
     group_ranks: tuple[int, ...] | None = None  # global ranks of the group, in the group's order
+    # when it was written, on ``time.perf_counter`` (the clock of the pipeline's events, the same in every
+    # process of the machine): a booked collective is written as it is called, a counted message as posted
+    at: float = field(default_factory=time.perf_counter, compare=False)
 
 
 class Ledger:

@@ -232,12 +232,14 @@ def _blocks(run: Run) -> list[tuple[int, int]]:
     return list(zip(cuts, cuts[1:]))
 
 
-def train(run: Run, mesh: Mesh, batches_, stage_seconds: dict | None = None) -> dict:
-    """This rank's run: ``run.steps`` optimizer steps on the global batches ``batches_``. Returns the rank
-    and where it sits, every step's loss (``None`` before the last stage), its parameters every ``run.every``
-    steps, and of step :data:`MEASURED_STEP` its traffic by mesh dimension (the ledger cleared before it),
-    what it held after backward by kind (from live storages; ``None`` for Muon) and its pipeline events
-    (padded by ``stage_seconds``); and the seconds the other steps took, on the rank's clock."""
+def train(run: Run, mesh: Mesh, batches_, stage_seconds: dict | None = None, after=None) -> dict:
+    """This rank's run: ``run.steps`` optimizer steps on the global batches ``batches_``. Returns the rank and
+    where it sits, every step's loss (``None`` before the last stage), its parameters every ``run.every``
+    steps, and of step :data:`MEASURED_STEP` its traffic by mesh dimension (the ledger cleared before it)
+    and each message it sent (dimension, collective, when, bytes), what it held after backward by kind
+    (from live storages; ``None`` for Muon and ZeRO-3) and its pipeline events (padded by
+    ``stage_seconds``); and the seconds the other steps took, on the rank's clock. ``after(step, chunks,
+    optimizer)``, if given, is called every ``run.every`` steps (a checkpoint's save)."""
     device = run.rank_device()
     chunks = composition.apply(build(run).to(device), mesh, run)
     opt = optimizer(chunks, mesh, run)
@@ -270,8 +272,12 @@ def train(run: Run, mesh: Mesh, batches_, stage_seconds: dict | None = None) -> 
         if measured:
             out["traffic"] = composition.traffic_by_dimension(mesh)
             out["messages"] = composition.messages_by_dimension(mesh)
+            out["collectives"] = [(composition.dimension(mesh, m), m.collective, m.at, m.nbytes)
+                                  for m in composition.sent_along()]
         if stop % run.every == 0:
             out["params"][stop] = composition.params(chunks)
+            if after is not None:
+                after(stop, chunks, opt)
     LEDGER.clear()
     return out
 
