@@ -1,4 +1,6 @@
-"""The capstone's run (chapter 15): its configuration validated without a rank, and changed runs trained on 8.
+"""The capstone's trainer on three dimensions (chapter 15's run before it had five: PP 2 x DP 2 x TP 2 with
+sequence parallelism and ZeRO-1, the dense GPT; ``THREE_D``): its configuration validated without a rank, and
+changed runs trained on 8.
 
 Validation needs no ranks: a configuration a reader changes (tensor parallelism 4 with two pipeline stages,
 GPipe, interleaving, fp32, DDP, Muon) still validates on a world of 8, and an invalid one is refused with a
@@ -22,6 +24,12 @@ import pytest
 
 from helpers.training import capstone, capstone_checks
 
+THREE_D = dict(pp=2, dp_shard=2, tp=2, sequence_parallel=True, m=2, zero=1)
+
+
+def three_d(**changes) -> capstone.Run:
+    return capstone.Run(**{**THREE_D, **changes})
+
 VALID = {
     "TP 4 x PP 2": dict(tp=4, dp_shard=1),
     "TP 8, no pipeline": dict(tp=8, dp_shard=1, pp=1, m=1),
@@ -36,7 +44,7 @@ VALID = {
 
 @pytest.mark.parametrize("change", VALID.values(), ids=VALID.keys())
 def test_a_changed_configuration_still_validates(change):
-    run = capstone.chapter_run(**change)
+    run = three_d(**change)
     capstone.validate(run, world_size=8)
     assert run.dp * run.tp * run.pp == 8 and run.mesh(world_size=8).world_size == 8
 
@@ -67,11 +75,11 @@ INVALID = {  # the change, and what the error must say
 @pytest.mark.parametrize("change, message", INVALID.values(), ids=INVALID.keys())
 def test_an_invalid_configuration_is_refused_with_the_constraint_named(change, message):
     with pytest.raises(ValueError, match=message):
-        capstone.validate(dataclasses.replace(capstone.chapter_run(), **change), world_size=8)
+        capstone.validate(dataclasses.replace(three_d(), **change), world_size=8)
 
 
 def test_the_loop_measures_one_step_alone_and_compares_every_k():
-    run = capstone.chapter_run(steps=20, every=5)
+    run = three_d(steps=20, every=5)
     blocks = capstone._blocks(run)
     assert blocks == [(0, 1), (1, 2), (2, 5), (5, 10), (10, 15), (15, 20)]
     assert (capstone.MEASURED_STEP, capstone.MEASURED_STEP + 1) in blocks
@@ -140,7 +148,7 @@ def _check_every_copy(results, want, run):
 
 @pytest.mark.parametrize("change", TRAINED.values(), ids=TRAINED.keys())
 def test_a_changed_run_matches_one_process(eight, change):
-    run = capstone.chapter_run(**change, steps=4, every=2)
+    run = three_d(**change, steps=4, every=2)
     results = eight.apply(_train, run)
     want = capstone.reference_run(run, capstone.data(run))
     diff = capstone_checks.differences(results, want, run)
@@ -156,7 +164,7 @@ def test_a_changed_run_matches_one_process(eight, change):
 
 
 def test_a_broken_shard_offset_fails_the_capstone(eight):
-    run = capstone.chapter_run(steps=4, every=2)
+    run = three_d(steps=4, every=2)
     results = eight.apply(_train, run, True)
     assert eight.apply(_shard_of_name) == ["shard_of"] * 8, "the module is restored on every rank"
     diff = capstone_checks.differences(results, capstone.reference_run(run, capstone.data(run)), run)

@@ -29,12 +29,8 @@ import pytest
 
 from helpers.training import capstone, capstone_checks, capstone_faults
 
-FIVE_D = dict(pp=2, dp_shard=2, cp=2, tp=2, ep=4, n_experts=8, top_k=2, moe_every=2, n_layers=4,
-              schedule="interleaved", vpp=2, m=2, zero=3, sequence_parallel=True, attention="ring")
-
-
 def five_d(**changes) -> capstone.Run:
-    return capstone.chapter_run(**{**FIVE_D, **changes})
+    return capstone.chapter_run(**changes)
 
 
 @pytest.fixture(scope="module")

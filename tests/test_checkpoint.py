@@ -1,14 +1,13 @@
 """Stop, save, resume elsewhere (chapter 15, ``helpers.training.checkpoint``), on 8 ranks.
 
-The capstone's run (``capstone.chapter_run()``: PP 2 x DP 2 x TP 2, sequence parallelism, ZeRO-1, AdamW, fp64)
-trains
-``STEPS`` steps uninterrupted, and on the way saves a checkpoint after ``AT`` steps (parameters and AdamW's
-moments, each rank only its slices). The checkpoint is then loaded onto another layout on the same 8 ranks,
-which trains the remaining steps: TP 8 without a pipeline (every KV head copied onto two ranks, plain AdamW),
-or DP 2 x TP 4 without a pipeline (ZeRO-1 over other rows).
-Its losses and final parameters match the uninterrupted run's within the capstone's fp64 tolerances (the loss
-within 1e-12 relative, every parameter within 1e-10 of its tensor's largest entry): the layouts sum in other
-orders, so the two agree to fp64's rounding, not bit for bit.
+The capstone's three-dimensional run (``three_d()``: PP 2 x DP 2 x TP 2, sequence parallelism, ZeRO-1, AdamW,
+fp64) trains ``STEPS`` steps uninterrupted, and on the way saves a checkpoint after ``AT`` steps (parameters
+and AdamW's moments, each rank only its slices). The checkpoint is then loaded onto another layout on the same
+8 ranks, which trains the remaining steps: TP 8 without a pipeline (every KV head copied onto two ranks, plain
+AdamW), or DP 2 x TP 4 without a pipeline (ZeRO-1 over other rows). Its losses and final parameters match the
+uninterrupted run's within the capstone's fp64 tolerances (the loss within 1e-12 relative, every parameter
+within 1e-10 of its tensor's largest entry): the layouts sum in other orders, so the two agree to fp64's
+rounding, not bit for bit.
 
 The checks can fail: each rank reading its tensor-parallel neighbour's slices (a load that does not reshard),
 or a resumption without the optimizer's moments, leaves the parameters far off; a checkpoint with a shard file
@@ -25,6 +24,12 @@ import pytest
 
 from helpers.model import GPT
 from helpers.training import capstone, capstone_checks
+
+THREE_D = dict(pp=2, dp_shard=2, tp=2, sequence_parallel=True, m=2, zero=1)
+
+
+def three_d(**changes) -> capstone.Run:
+    return capstone.Run(**{**THREE_D, **changes})
 
 STEPS, AT = 4, 2
 SAVED = dict()  # the capstone's run
@@ -43,7 +48,8 @@ def _train(layout, steps, at, path=None, save=False, resume=False, moments=True,
     from helpers.reference import train_steps
     from helpers.training import capstone, checkpoint
 
-    run = capstone.chapter_run(**layout, **model, steps=steps, every=steps)
+    run = capstone.Run(**{**dict(pp=2, dp_shard=2, tp=2, sequence_parallel=True, m=2, zero=1), **layout},
+                       **model, steps=steps, every=steps)  # three_d's, on an engine
     mesh = capstone.make_mesh(run)
     chunks = composition.apply(capstone.build(run).to(run.rank_device()), mesh, run)
     opt = composition.optimizer(chunks, mesh, run, run.lr)
@@ -76,7 +82,7 @@ def _train(layout, steps, at, path=None, save=False, resume=False, moments=True,
 
 
 def _whole(results, layout):
-    run = capstone.chapter_run(**layout, steps=STEPS, every=STEPS)
+    run = three_d(**layout, steps=STEPS, every=STEPS)
     return capstone_checks.assembled(results, run, STEPS)[0]
 
 
@@ -107,7 +113,7 @@ def test_each_rank_writes_only_its_slices(saved):
     names = [(n, s[0]) for f in listed for n, s in f["slices"].items()]
     assert len(names) == len(set(names))
     # and every element once: the parameters and AdamW's two moments of each, and the two step counts
-    run = capstone.chapter_run(**SAVED, steps=STEPS, every=STEPS)
+    run = three_d(**SAVED, steps=STEPS, every=STEPS)
     numel = sum(p.numel() for p in capstone.build(run).parameters())
     assert sum(math.prod(s[1]) for f in listed for s in f["slices"].values()) == 3 * numel + 2
     # in fp64 (8 bytes), the step counts an int64 and a float64
@@ -147,7 +153,7 @@ def test_saved_with_context_parallelism_or_interleaving_resumes_elsewhere(eight,
     assert max(abs(a - b) / b for a, b in zip(got, want[AT:])) <= tol["loss"], (got, want)
     whole = {}
     for results, layout in ((resumed, target), (uninterrupted, source)):
-        run = capstone.chapter_run(**layout, **model, steps=STEPS, every=STEPS)
+        run = three_d(**layout, **model, steps=STEPS, every=STEPS)
         whole[layout is target] = capstone_checks.assembled(results, run, STEPS)[0]
     off = capstone_checks.largest_difference(whole[True], whole[False])
     assert off <= tol["params"], off
@@ -182,7 +188,7 @@ def test_a_checkpoint_of_another_model_is_refused(eight, saved, change, message)
     found = re.search(message, errors[0])
     assert found, errors[0]
     if "n_layers" in change:  # as many as the blocks that differ hold
-        configs = {n: capstone.chapter_run(**RESUMED, n_layers=n).model_config()
+        configs = {n: three_d(**RESUMED, n_layers=n).model_config()
                    for n in (2, change["n_layers"])}
         names = {n: {k for k, _ in GPT(cfg).named_parameters()} for n, cfg in configs.items()}
         assert int(found.group(1)) == len(names[change["n_layers"]] ^ names[2]), errors[0]
@@ -208,7 +214,7 @@ def _save_zero3(path):
     from helpers.reference import train_steps
     from helpers.training import capstone, checkpoint
 
-    run = capstone.chapter_run(zero=3, steps=2, every=2)
+    run = capstone.Run(pp=2, dp_shard=2, tp=2, sequence_parallel=True, m=2, zero=3, steps=2, every=2)
     mesh = capstone.make_mesh(run)
     chunks = composition.apply(capstone.build(run).to(run.rank_device()), mesh, run)
     opt = composition.optimizer(chunks, mesh, run, run.lr)

@@ -2,7 +2,7 @@
 by the modules of chapters 03-12, imported.
 
 - :class:`Run` is what a reader changes: the run's parallelism, one
-  :class:`~helpers.parallel.parallel_dims.ParallelDims` (the mesh ``pp × dp_shard × tp``, sequence
+  :class:`~helpers.parallel.parallel_dims.ParallelDims` (the mesh ``pp × dp_shard × cp × tp``, sequence
   parallelism, ``m`` micro-batches, chapter 06's schedule and its ``vpp``, the ZeRO stage, the precision), and
   what the capstone adds to it: the size of the book's GPT (dense, or with chapter 08's MoE layer in every
   ``moe_every``-th block, its experts folded onto the data-parallel group), the global batch, the optimizer
@@ -52,9 +52,16 @@ TOLERANCES = {"fp64": {"loss": 1e-12, "params": 1e-10}, "fp32": {"loss": 1e-6, "
 (chapter 15 says why each is what it is)."""
 
 
-PARALLELISM = dict(pp=2, dp_shard=2, tp=2, sequence_parallel=True, m=2, zero=1)
-"""Chapter 15's parallelism: a pp x dp x tp mesh, SP inside tp, two micro-batches, ZeRO-1 (values of
-``ParallelDims``' fields, which declare them)."""
+PARALLELISM = dict(pp=2, dp_shard=2, cp=2, tp=2, ep=4, sequence_parallel=True, schedule="interleaved", vpp=2,
+                   m=2, zero=3, attention="ring")
+"""Chapter 15's parallelism, five dimensions on 16 ranks: a pp x dp_shard x cp x tp mesh, the experts folded
+onto dp_shard x cp (ep=4, as torchtitan folds them), SP inside tp, interleaved 1F1B with two chunks per rank
+and two micro-batches, ZeRO-3 over dp_shard x cp, ring attention (values of ``ParallelDims``' fields, which
+declare them)."""
+
+MODEL = dict(n_layers=4, n_experts=8, top_k=2, moe_every=2)
+"""Chapter 15's model: the book's GPT, four blocks, chapter 08's MoE layer of 8 experts, top 2, in every
+other one (values of ``Run``'s fields)."""
 
 
 @dataclass(frozen=True)
@@ -111,8 +118,8 @@ def model_shape(run: Run) -> model_size.ModelShape:
 
 
 def chapter_run(**changes) -> Run:
-    """Chapter 15's run (``PARALLELISM`` and ``Run``'s own defaults), with ``changes``."""
-    return Run(**{**PARALLELISM, **changes})
+    """Chapter 15's run (``PARALLELISM``, ``MODEL`` and ``Run``'s own defaults), with ``changes``."""
+    return Run(**{**PARALLELISM, **MODEL, **changes})
 
 
 def validate(run: Run, world_size: int | None = None) -> None:
@@ -294,6 +301,6 @@ def reference_run(run: Run, batches_) -> dict:
     return out
 
 
-__all__ = ["PRECISIONS", "SCHEDULES", "OPTIMIZERS", "MEASURED_STEP", "TOLERANCES", "PARALLELISM", "Run",
-           "model_shape", "chapter_run", "validate",
+__all__ = ["PRECISIONS", "SCHEDULES", "OPTIMIZERS", "MEASURED_STEP", "TOLERANCES", "PARALLELISM", "MODEL",
+           "Run", "model_shape", "chapter_run", "validate",
            "build", "data", "make_mesh", "optimizer", "reference_optimizer", "train", "reference_run"]
