@@ -151,7 +151,8 @@ def _agree(name: str, findings: list[str]) -> None:
     dist.all_gather_object(everyone, findings)
     seen = [(r, f) for r, per_rank in enumerate(everyone) for f in per_rank]
     where = sorted({r for r, _ in seen})
-    verdict = f"{len(seen)} findings on ranks {where}; rank {seen[0][0]}: {seen[0][1]}" if seen else "none"
+    where = f"all {len(everyone)} ranks" if len(where) == len(everyone) else f"ranks {where}"
+    verdict = f"{len(seen)} findings on {where}; rank {seen[0][0]}: {seen[0][1]}" if seen else "none"
     checks.check_equal(name, verdict, "none", quiet=True)
 
 
@@ -233,20 +234,25 @@ def _gather(t: torch.Tensor, group) -> torch.Tensor:
     return torch.cat(parts)
 
 
+CHECKS = {
+    "cp": "cp: every rank trained on its context-parallel positions (chapter 07, by hand)",
+    "ep": "ep: every row a rank's experts received chose one of them (chapter 08)",
+    "dp": "dp: each ZeRO-3 shard's gradient is its rows of the data-parallel mean (chapter 04)",
+    "tp": "tp: what tp keeps whole is the same on every tp rank (chapter 05)",
+    "pp": "pp: the measured step ran the schedule's actions in order (chapter 06)",
+}
+"""The name of each dimension's check, which starts with the dimension."""
+
+
 def check_dimensions(run: Run, mesh: Mesh, out: dict, seen: Recorder) -> None:
-    """One check per mesh dimension (the module's docstring), on every rank, in the order cp, ep, dp, tp,
-    pp; each named after its dimension, and failing on every rank when any rank found a fault."""
-    _agree("cp: every rank trained on its context-parallel positions (chapter 07, by hand)",
-           _cp_findings(run, mesh, seen))
-    _agree("ep: every row a rank's experts received chose one of them (chapter 08)",
-           _ep_findings(run, mesh, seen))
-    _agree("dp: each ZeRO-3 shard's gradient is its rows of the data-parallel mean (chapter 04)",
-           _dp_findings(run, mesh, seen))
-    _agree("tp: what tp keeps whole is the same on every tp rank (chapter 05)",
-           _tp_findings(run, mesh, out))
-    _agree("pp: the measured step ran the schedule's actions in order (chapter 06)",
-           _pp_findings(run, mesh, out))
+    """One check per mesh dimension (the module's docstring), on every rank, in the order of :data:`CHECKS`;
+    each fails on every rank when any rank found a fault."""
+    _agree(CHECKS["cp"], _cp_findings(run, mesh, seen))
+    _agree(CHECKS["ep"], _ep_findings(run, mesh, seen))
+    _agree(CHECKS["dp"], _dp_findings(run, mesh, seen))
+    _agree(CHECKS["tp"], _tp_findings(run, mesh, out))
+    _agree(CHECKS["pp"], _pp_findings(run, mesh, out))
 
 
-__all__ = ["Recorder", "layout_positions", "check_dimensions", "shared_reference", "losses", "assembled",
-           "largest_difference", "differences", "reference_shards"]
+__all__ = ["Recorder", "layout_positions", "CHECKS", "check_dimensions", "shared_reference", "losses",
+           "assembled", "largest_difference", "differences", "reference_shards"]
