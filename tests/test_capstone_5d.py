@@ -8,10 +8,10 @@ pipeline chunks holds one block, so two chunks are dense), its dense parameters 
 data-parallel group (or, with Ulysses, reduced by DDP; ZeRO-1 over it would average different ranks' experts:
 refused by ``capstone.validate``), experts whole on every tp rank, each routing its own slice of the sequence.
 
-Before the comparison with one process, ``capstone_checks.check_dimensions`` runs one check per dimension on
-every rank (cp, ep, dp, tp, pp: each an invariant of that dimension alone), and ``capstone_faults`` plants one
-fault per dimension, each of which must fail its own dimension's check first, on all 16 ranks, and (but for
-the pipeline's, whose two swapped backwards commute) the comparison with one process too.
+Chapter 15 runs the ring attention and ZeRO-3 form at every build, with ``capstone_checks.check_dimensions``
+(one check per dimension on every rank) and ``capstone_faults``' fault in each dimension, each caught first by
+its own dimension's check on all 16 ranks; here the same checks pass on the Ulysses and DDP form, and the
+refusals of impossible MoE runs are checked without ranks.
 
 Measured on this machine (2 cores shared with other jobs, load average 7-24 while measuring): 16 engines start
 in 3.4-11.7 s; a step of this run takes 0.84-1.8 s on the 16 ranks (the test prints it, ``seconds per step``),
@@ -27,7 +27,7 @@ import time
 import ipyparallel as ipp
 import pytest
 
-from helpers.training import capstone, capstone_checks, capstone_faults
+from helpers.training import capstone, capstone_checks
 
 def five_d(**changes) -> capstone.Run:
     return capstone.chapter_run(**changes)
@@ -70,7 +70,7 @@ def test_the_5d_run_validates_on_16_ranks():
 
 
 @ipp.interactive  # sent by value: the engines cannot import this test module
-def _train(run, plant=None):
+def _train(run, plant=None):  # plant: a fault of capstone_faults, as chapter 15 plants them
     import contextlib
 
     import torch
@@ -104,10 +104,10 @@ def compare(results, run, want) -> None:
         assert d <= tol["params"], f"parameters after step {step}: {d:.2e} relative to one process"
 
 
-@pytest.mark.parametrize("attention, zero", [("ring", 3), ("ulysses", 0)])
+@pytest.mark.parametrize("attention, zero", [("ulysses", 0)])
 def test_the_5d_run_matches_one_process(sixteen, attention, zero):
-    """The dense parameters sharded by ZeRO-3 (the issue's FSDP) with ring attention, or reduced by DDP with
-    Ulysses; the experts by chapter 08's finish_gradients either way."""
+    """The dense parameters reduced by DDP with Ulysses attention (chapter 15 runs ZeRO-3 with ring attention,
+    and plants its faults, at every build); the experts by chapter 08's finish_gradients."""
     run = five_d(steps=4, every=2, attention=attention, zero=zero)
     started = time.perf_counter()
     results = sixteen.apply(_train, run)
@@ -131,22 +131,3 @@ def test_the_positions_by_hand():
     assert capstone_checks.layout_positions("zigzag", 0, 2, 16) == [0, 1, 2, 3, 12, 13, 14, 15]
     assert capstone_checks.layout_positions("zigzag", 1, 2, 16) == [4, 5, 6, 7, 8, 9, 10, 11]
     assert capstone_checks.layout_positions("contiguous", 1, 2, 16) == list(range(8, 16))
-
-
-# two backwards of one chunk commute: the numbers stay one process's, only the schedule's order broke
-SAME_NUMBERS = {"pp"}
-
-
-@pytest.mark.parametrize("plant", capstone_faults.FAULTS)
-def test_a_planted_fault_fails_its_dimension_first_on_every_rank(sixteen, plant):
-    run = five_d(steps=2, every=2)
-    results = sixteen.apply(_train, run, plant)
-    for r in results:
-        own = capstone_checks.CHECKS[plant]  # the first check to fail names the planted dimension
-        assert r["caught"] and r["caught"][7:].startswith(own), (r["rank"], r["caught"])
-    want = capstone.reference_run(run, capstone.data(run))
-    if plant in SAME_NUMBERS:
-        compare(results, run, want)
-    else:  # and not only there: the comparison with one process fails too
-        with pytest.raises(AssertionError, match=r"^(loss of step|parameters after step) "):
-            compare(results, run, want)
