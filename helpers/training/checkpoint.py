@@ -4,8 +4,9 @@ rank with ``torch.distributed.checkpoint`` (DCP, which runs on gloo) and loaded 
 A checkpoint holds the *reference's* tensors (the single-process GPT's names, ``q_proj`` not ``qkv_proj``,
 each MoE layer's experts as one tensor of ``n_experts`` rows), each rank writing only boxes of them that it
 keeps: its tensor-parallel slices, its experts, and under ZeRO-3 only its flat shard's rows
-(``helpers.training.checkpoint_pieces`` says where each box sits). A box several ranks keep (a norm on every
-tp rank, a parameter on every data-parallel replica without ZeRO-3) is written once, by the lowest of them.
+(``helpers.training.checkpoint_pieces`` says where each box sits). A box ``c`` ranks keep (a norm on every tp
+rank, a parameter on every data-parallel replica without ZeRO-3) is written once, a ``1/c`` of its rows by
+each of them.
 Loading asks, on the new layout, for the boxes that layout keeps; DCP reads them from whichever files hold
 them: that is the resharding.
 
@@ -39,7 +40,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from helpers.parallel import composition, zero
 from helpers.parallel.mesh import Mesh
-from helpers.training.checkpoint_pieces import Boxes, Held, held, load_planner, save_planner
+from helpers.training.checkpoint_pieces import Boxes, Held, held, load_planner, save_planner, share
 
 MODEL, OPTIM, STEP = "model.", "optim.", "step"
 MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -134,6 +135,7 @@ def save(chunks: dict, mesh: Mesh, run, step: int, path, optimizer=None) -> None
                 _put(state, h, moments[m], OPTIM, "." + m)
     if optimizer is not None:
         state[OPTIM + STEP] = count.detach().to("cpu", torch.float64)
+    share(state)
     dcp.save(state, storage_writer=dcp.FileSystemWriter(os.fspath(path)), planner=save_planner())
 
 

@@ -17,9 +17,9 @@ cut into :class:`Box` es, each a rectangle of one reference tensor, from three r
 
 DCP takes a reference tensor's boxes on one rank as a :class:`Boxes` (the protocol DTensor implements:
 ``__create_write_items__``, ``__create_chunk_list__``, ``__get_tensor_shard__``), which the planners
-(:func:`save_planner`, :func:`load_planner`) look up. On saving, a box that several ranks hold (a norm on
-every tp rank, a dense tensor on every data-parallel replica) is written by the lowest of them (DCP's
-``dedup_save_to_lowest_rank``), and DCP refuses a plan whose boxes overlap, leave a hole or overflow a
+(:func:`save_planner`, :func:`load_planner`) look up. On saving, a box that ``c`` ranks hold (a norm on
+every tp rank, a dense tensor on every data-parallel replica without ZeRO-3) is cut into ``c`` runs of rows,
+one written by each (:func:`share`), and DCP refuses a plan whose boxes overlap, leave a hole or overflow a
 tensor. On loading, DCP reads every box a rank asks for from whichever files hold it: the resharding.
 """
 
@@ -180,6 +180,34 @@ class Boxes:
         return sum(math.prod(t.shape) for t in self.parts.values())
 
 
+def share(state: dict) -> None:
+    """Cut each box that several ranks keep (a norm on every tp rank, experts on every tp rank, a dense
+    tensor on every data-parallel replica without ZeRO-3) into as many runs of rows as ranks keep it, ``ceil(
+    rows / c)`` each, the ``j``-th (in rank order) left to the ``j``-th of them: each rank then writes only
+    its part, and every part once. Every rank calls it (one all-gather of the boxes' descriptions)."""
+    mine = [(key, offsets, tuple(t.shape)) for key, b in state.items() if isinstance(b, Boxes)
+            for offsets, t in b.parts.items()]
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, mine)
+    holders: dict = {}
+    for rank, boxes in enumerate(gathered):
+        for box in boxes:
+            holders.setdefault(box, []).append(rank)
+    me = dist.get_rank()
+    for key, b in state.items():
+        if not isinstance(b, Boxes):
+            continue
+        parts, b.parts = b.parts, {}
+        for offsets, t in parts.items():
+            ranks = holders[(key, offsets, tuple(t.shape))]
+            rows = t.shape[0]
+            k = -(-rows // len(ranks))
+            lo = min(ranks.index(me) * k, rows)
+            hi = min(lo + k, rows)
+            if hi > lo:
+                b.add((offsets[0] + lo, *offsets[1:]), t[lo:hi])
+
+
 class _Saver(DefaultSavePlanner):
     def lookup_object(self, index: MetadataIndex):
         obj = self.state_dict[index.fqn]
@@ -200,7 +228,8 @@ class _Loader(DefaultLoadPlanner):
 
 
 def save_planner() -> DefaultSavePlanner:
-    """DCP's default planner, finding :class:`Boxes`, each box held by several ranks written by the lowest."""
+    """DCP's default planner, finding :class:`Boxes` (each box one rank's after :func:`share`); a plain tensor
+    every rank gives (the step counts) is written by rank 0."""
     return _Saver(dedup_save_to_lowest_rank=True)
 
 
@@ -209,4 +238,4 @@ def load_planner() -> DefaultLoadPlanner:
     return _Loader(flatten_state_dict=False)
 
 
-__all__ = ["Box", "Held", "tp_rank", "ep_rank", "held", "Boxes", "save_planner", "load_planner"]
+__all__ = ["Box", "Held", "tp_rank", "ep_rank", "held", "Boxes", "share", "save_planner", "load_planner"]
