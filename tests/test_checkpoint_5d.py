@@ -161,3 +161,30 @@ def test_a_missing_shard_file_is_named(sixteen, saved, tmp_path):
     errors = [r.get("error", "loaded") for r in sixteen.apply(_resume, layout(TP4), str(path))]
     assert all(f"shard file {victim} is missing" in e for e in errors), errors[0]
     shutil.rmtree(path)
+
+
+def test_a_checkpoint_missing_a_box_is_refused_not_partly_loaded(sixteen, saved, tmp_path):
+    """A checkpoint whose metadata lacks one box (one expert's rows, say: DCP would leave those elements as
+    they were, without a word) is refused, naming the tensor and how many of the elements asked for are
+    not in it."""
+    import math
+    import pickle
+    import shutil
+
+    path = tmp_path / "holed"
+    shutil.copytree(saved[0], path)
+    with open(path / ".metadata", "rb") as f:
+        md = pickle.load(f)
+    key = "model.blocks.1.mlp.experts.up_proj.weight"
+    chunks = md.state_dict_metadata[key].chunks
+    hole = next(c for c in chunks if tuple(c.offsets) == (0, 0, 0))
+    chunks.remove(hole)
+    md.storage_data = {i: s for i, s in md.storage_data.items()
+                       if not (i.fqn == key and tuple(i.offset) == (0, 0, 0))}
+    with open(path / ".metadata", "wb") as f:
+        pickle.dump(md, f)
+    errors = [r.get("error", "loaded") for r in sixteen.apply(_resume, layout(TP4), str(path))]
+    asked = 4 * 256 * 64  # expert-parallel rank 0 of ep=2 asks for experts 0-3 of the 8
+    message = f"{key} ({math.prod(hole.sizes)} of {asked} elements)"
+    assert all(message in e for e in errors), errors[0]
+    shutil.rmtree(path)
