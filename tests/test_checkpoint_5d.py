@@ -53,7 +53,7 @@ def sixteen():
 def _save(run, path, at):
     from helpers.training import capstone, checkpoint_run
 
-    return checkpoint_run.train_and_save(run, capstone.make_mesh(run), capstone.data(run), path, at)
+    return checkpoint_run.train_and_save(run, capstone.make_mesh(run), path, capstone.data(run), at)
 
 
 @ipp.interactive
@@ -127,9 +127,11 @@ def test_each_rank_wrote_its_expected_bytes(saved):
     assert sorted(written) == list(range(16))
     for rank in range(16):
         assert written[rank]["tensor_bytes"] == expected[rank]["tensor_bytes"], (rank, written, expected)
-    meta = next(f for f in checkpoint.files(path) if f["rank"] is None)
-    print("tensor bytes by rank:", {r: w["tensor_bytes"] for r, w in written.items()},
-          f"metadata {meta['bytes']} bytes")
+    rows = checkpoint.against_expected(path, layout(FIVE_D))  # what a page shows: the same, by rank
+    assert [r["rank"] for r in rows] == [*range(16), None]
+    assert all(r["tensor_bytes"] == r["expected"] and r["framing"] > 0 for r in rows[:-1]), rows
+    print("tensor bytes by rank:", {r["rank"]: r["tensor_bytes"] for r in rows[:-1]},
+          f"framing {sum(r['framing'] for r in rows[:-1])} bytes, metadata {rows[-1]['bytes']} bytes")
 
 
 REFUSED = {

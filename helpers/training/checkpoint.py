@@ -313,5 +313,19 @@ def bytes_by_rank(path) -> dict[int, dict[str, int]]:
     return out
 
 
+def against_expected(path, run) -> list[dict]:
+    """For a page: each rank's file, its bytes, the tensor bytes counted in it and ``torch.save``'s framing
+    around them, beside the tensor bytes ``checkpoint_bytes.expected_bytes`` derives from the shapes and the
+    layout (to match exactly); the last row the metadata file (rank ``None``), which nothing predicts."""
+    from helpers.training.checkpoint_bytes import expected_bytes
+
+    expected = expected_bytes(run, optimizer=OPTIM + STEP in metadata(path).state_dict_metadata)
+    rows = [{"rank": f["rank"], "file": f["file"], "bytes": f["bytes"], "tensor_bytes": f["tensor_bytes"],
+             "framing": f["bytes"] - f["tensor_bytes"],
+             "expected": None if f["rank"] is None else expected[f["rank"]]["tensor_bytes"]}
+            for f in files(path)]
+    return sorted(rows, key=lambda r: (r["rank"] is None, r["rank"] or 0))
+
+
 __all__ = ["MODEL", "OPTIM", "STEP", "MOMENTS", "CheckpointError", "save", "metadata", "check_files", "load",
-           "files", "bytes_by_rank"]
+           "files", "bytes_by_rank", "against_expected"]

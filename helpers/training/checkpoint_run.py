@@ -10,7 +10,16 @@ written after one step, or read before the first.
 Both return what :func:`helpers.training.capstone.train` returns for the checks of
 ``helpers.training.capstone_checks`` (``losses`` and ``assembled`` take them as they are): the rank and where
 it sits, every step's loss it trained (``None`` before the last stage), its parameters every ``run.every``
-steps (and at the step it starts from), and ``start``, the step its losses begin after.
+steps (and at the step it starts from, and the one saved after), and ``start``, the step its losses begin
+after: a resumed run's ``capstone_checks.losses`` are steps ``start`` to ``run.steps`` (compare them with the
+uninterrupted run's from ``start`` on), and ``capstone_checks.assembled`` takes the steps in ``params``.
+
+From a ``%%px`` cell, on every rank (``path`` a folder every rank sees)::
+
+    mesh = capstone.make_mesh(run)
+    out = checkpoint_run.train_and_save(run, mesh, path, capstone.data(run), at=3)
+    # ... and on another layout of the same model, ``other``:
+    out = checkpoint_run.resume_run(other, capstone.make_mesh(other), path, capstone.data(other))
 """
 
 from __future__ import annotations
@@ -48,7 +57,7 @@ def _out(mesh: Mesh, chunks, start: int) -> dict:
             "losses": [], "params": {start: composition.params(chunks)}, "start": start}
 
 
-def train_and_save(run, mesh: Mesh, batches_, path, at: int) -> dict:
+def train_and_save(run, mesh: Mesh, path, batches_, at: int) -> dict:
     """This rank's run of ``run.steps`` steps on the global batches ``batches_``, saving the checkpoint
     (parameters and optimizer) under ``path`` after step ``at``."""
     if not 0 < at < run.steps:
