@@ -19,6 +19,7 @@ tensor-parallel weight, and the files hold every element of the parameters and b
 
 import math
 import re
+import shutil
 
 import ipyparallel as ipp
 import pytest
@@ -87,7 +88,8 @@ def saved(eight, tmp_path_factory):
     """The uninterrupted run, which saved its checkpoint after ``AT`` steps."""
     path = tmp_path_factory.mktemp("checkpoint") / "step2"
     results = eight.apply(_train, SAVED, STEPS, AT, str(path), save=True)
-    return path, results
+    yield path, results
+    shutil.rmtree(path.parent)
 
 
 def test_each_rank_writes_only_its_slices(saved):
@@ -145,10 +147,12 @@ FROM_ELSEWHERE = {  # saved on, loaded onto, the model's changes
 def test_saved_with_context_parallelism_or_interleaving_resumes_elsewhere(eight, tmp_path, source, target,
                                                                           model):
     """The context-parallel ranks hold the same slices, as the data-parallel ones do; an interleaved
-    pipeline's rank holds two chunks, the tied head's copy on the last."""
+    pipeline's rank holds two chunks, the tied head's copy on the last; under ZeRO-3 each rank keeps only
+    its flat shard's rows."""
     path = tmp_path / "step2"
     uninterrupted = eight.apply(_train, source, STEPS, AT, str(path), save=True, **model)
     resumed = eight.apply(_train, target, STEPS, AT, str(path), resume=True, **model)
+    shutil.rmtree(path)
     tol = capstone.TOLERANCES["fp64"]
     want, got = capstone_checks.losses(uninterrupted), capstone_checks.losses(resumed)
     assert max(abs(a - b) / b for a, b in zip(got, want[AT:])) <= tol["loss"], (got, want)
@@ -196,8 +200,6 @@ def test_a_checkpoint_of_another_model_is_refused(eight, saved, change, message)
 
 
 def test_a_missing_shard_file_is_named(eight, tmp_path):
-    import shutil
-
     from helpers.training import checkpoint
 
     path = tmp_path / "step2"

@@ -22,6 +22,7 @@ step; each rank writing only boxes it keeps: its ZeRO-3 shard's rows of each den
 """
 
 import re
+import shutil
 import time
 
 import ipyparallel as ipp
@@ -73,7 +74,8 @@ def saved(sixteen, tmp_path_factory):
     started = time.perf_counter()
     results = sixteen.apply(_save, layout(FIVE_D), str(path), AT)
     print(f"5D run of {STEPS} steps, saving after {AT}: {time.perf_counter() - started:.1f} s")
-    return path, results
+    yield path, results
+    shutil.rmtree(path.parent)
 
 
 def _whole(results, base, step):
@@ -152,8 +154,6 @@ def test_a_checkpoint_of_another_model_is_refused(sixteen, saved, change, messag
 
 
 def test_a_missing_shard_file_is_named(sixteen, saved, tmp_path):
-    import shutil
-
     from helpers.training import checkpoint
 
     path = tmp_path / "broken"
@@ -171,7 +171,6 @@ def test_a_checkpoint_missing_a_box_is_refused_not_partly_loaded(sixteen, saved,
     not in it."""
     import math
     import pickle
-    import shutil
 
     path = tmp_path / "holed"
     shutil.copytree(saved[0], path)

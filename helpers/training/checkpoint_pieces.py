@@ -15,11 +15,11 @@ cut into :class:`Box` es, each a rectangle of one reference tensor, from three r
 - ZeRO-3: the rows ``[r·k, min((r+1)·k, rows))`` of the stacked parameter meet each stacked slice in at most
   one run of rows, which is that slice's box (rows of ``q_proj``, say, or none).
 
-DCP takes a reference tensor's boxes on one rank as a :class:`Boxes` (the protocol DTensor implements:
-``__create_write_items__``, ``__create_chunk_list__``, ``__get_tensor_shard__``), which the planners
-(:func:`save_planner`, :func:`load_planner`) look up. On saving, a box that ``c`` ranks hold (a norm on
-every tp rank, a dense tensor on every data-parallel replica without ZeRO-3) is cut into ``c`` runs of rows,
-one written by each (:func:`share`), and DCP refuses a plan whose boxes overlap, leave a hole or overflow a
+DCP takes a reference tensor's boxes on one rank as a :class:`Boxes` (the protocol DTensor implements in torch
+2.13.0: ``__create_write_items__``, ``__create_chunk_list__``, ``__get_tensor_shard__``), which the planners
+(:func:`save_planner`, :func:`load_planner`) look up. On saving, a box that ``c`` ranks hold (a norm on every
+tp rank, a dense tensor on every data-parallel replica without ZeRO-3) is cut into ``c`` runs of rows, one
+written by each (:func:`share`), and DCP refuses a plan whose boxes overlap, leave a hole or overflow a
 tensor. On loading, DCP reads every box a rank asks for from whichever files hold it: the resharding.
 """
 
@@ -216,7 +216,8 @@ class _Saver(DefaultSavePlanner):
 
 class _Loader(DefaultLoadPlanner):
     def set_up_planner(self, state_dict, metadata=None, is_coordinator: bool = False) -> None:
-        """DCP's, which sets every value it does not know (a :class:`Boxes`) to ``None``: put them back."""
+        """DCP's (torch 2.13.0's ``_init_state_dict`` sets every value it does not know, a :class:`Boxes`, to
+        ``None`` in place): put them back."""
         boxes = {k: v for k, v in state_dict.items() if isinstance(v, Boxes)}
         super().set_up_planner(state_dict, metadata, is_coordinator)
         state_dict.update(boxes)
