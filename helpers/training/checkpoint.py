@@ -1,48 +1,46 @@
 """Stop, save, resume elsewhere (chapter 15): a distributed checkpoint of a composed run, written by every
 rank with ``torch.distributed.checkpoint`` (DCP, which runs on gloo) and loaded onto another layout.
 
-A checkpoint holds the *reference's* tensors (the single-process GPT's names, ``q_proj`` not ``qkv_proj``),
-each rank writing only the slices it holds. A rank describes each slice to DCP as a ``DTensor`` on a small
-``DeviceMesh`` of its tensor-parallel row, made without process groups (only the ranks' coordinates are
-needed): chapter 05's :func:`~helpers.parallel.tensor_parallel.shard_plan` says which reference tensors a
-parameter stacks, along which dimension, and how many ranks hold the same slice (a KV head copied onto
-``tp // n_kv_heads`` ranks, a norm on all ``tp``), so the mesh is ``(tp // copies) x copies`` with
-``Shard(dim), Replicate()`` on it. Pipeline stages hold disjoint names; the data-parallel and context-parallel
-replicas hold the same slices, and DCP's save planner keeps one copy of each. Loading asks, on the new layout,
-for the slices that layout needs; DCP reads them from whichever files hold them: that is the resharding.
+A checkpoint holds the *reference's* tensors (the single-process GPT's names, ``q_proj`` not ``qkv_proj``,
+each MoE layer's experts as one tensor of ``n_experts`` rows), each rank writing only boxes of them that it
+keeps: its tensor-parallel slices, its experts, and under ZeRO-3 only its flat shard's rows
+(``helpers.training.checkpoint_pieces`` says where each box sits). A box ``c`` ranks keep (a norm on every tp
+rank, a parameter on every data-parallel replica without ZeRO-3) is written once, a ``1/c`` of its rows by
+each of them.
+Loading asks, on the new layout, for the boxes that layout keeps; DCP reads them from whichever files hold
+them: that is the resharding.
 
 The optimizer's state goes with the parameters (``optimizer=``): AdamW's two moments of every parameter, cut
-like the parameter, and its step count. Chapter 04's ZeRO-1 (``zero.ShardedAdamW``) holds its rows of each
-tensor-parallel parameter's moments: they are all-gathered over the data-parallel group to be saved as the
-plain moments, and a ZeRO-1 optimizer loading them keeps its rows (and resets its master shards from the
-loaded parameters). Muon's state is not saved. A tied LM head's copy on the last stage is the embedding's
-slice: it is not written, and is read from ``tok_emb.weight``. Experts (chapter 08) are not handled yet.
+like the parameter, and its step count. Plain AdamW keeps them per parameter; chapter 04's ZeRO-1
+(``zero.ShardedAdamW``) its rows of each parameter's, all-gathered over the data-parallel group to be saved
+whole (and on loading it keeps its rows, and resets its master shards from the loaded parameters); ZeRO-3
+(chapter 10's ``composition.ChunksZero3``) its flat shard's rows, saved and loaded as the parameter's, and
+plain AdamW for a MoE run's experts. Muon's state is not saved. A tied LM head's copy on the last stage is the
+embedding's boxes: it is not written, and is read from ``tok_emb.weight``.
 
 Before DCP reads anything, :func:`load` checks the checkpoint against the layout, on every rank alike: every
-file the metadata names is there with its bytes, and the names, shapes and dtypes are the model's, none
-missing and none extra (DCP alone loads a subset of a checkpoint's names, and casts, without a word). A
-failure raises :class:`CheckpointError` naming the file, the names, the shapes or the dtypes.
-:func:`files` lists the checkpoint's files, the bytes each rank wrote and the slices in each.
+file the metadata names is there with its bytes; the names, shapes and dtypes are the model's, none missing
+and none extra (DCP alone loads a subset of a checkpoint's names, and casts, without a word); and the saved
+boxes cover every element a rank asks for. A failure raises :class:`CheckpointError` naming the file, the
+names, the shapes or the dtypes. :func:`files` lists the checkpoint's files, the bytes each rank wrote, the
+bytes of tensor elements counted in them, and the boxes in each.
 """
 
 from __future__ import annotations
 
+import io
 import math
 import os
 import re
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from helpers.parallel import tensor_parallel, zero
+from helpers.parallel import composition, zero
 from helpers.parallel.mesh import Mesh
-from helpers.parallel.moe import MoEGPT
+from helpers.training.checkpoint_pieces import Boxes, Held, held, load_planner, save_planner, share
 
 MODEL, OPTIM, STEP = "model.", "optim.", "step"
 MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -53,131 +51,58 @@ class CheckpointError(ValueError):
     """A checkpoint that does not fit the model or the layout loading it, or is incomplete."""
 
 
-@dataclass(frozen=True)
-class Piece:
-    """One reference tensor's slice inside one of this rank's parameters: its name, the dimension it is cut
-    along (``None``: held whole), its size along it, and how many tensor-parallel ranks hold that slice."""
-
-    name: str
-    dim: int | None
-    size: int | None
-    copies: int
-
-
-@dataclass(frozen=True)
-class Entry:
-    """One parameter of this rank: its name in the chunk, the parameter, the slices it stacks along
-    ``dim`` (chapter 05's plan), and whether it is a copy (a tied head) that is read but not written."""
-
-    name: str
-    param: nn.Parameter
-    dim: int | None
-    pieces: tuple[Piece, ...]
-    copy: bool = False
-
-    def split(self, t: torch.Tensor) -> list[torch.Tensor]:
-        """``t`` (shaped like the parameter) cut into its pieces."""
-        if self.dim is None:
-            return [t]
-        return list(t.split([p.size for p in self.pieces], self.dim))
-
-
-def entries(chunks: dict, mesh: Mesh) -> list[Entry]:
-    """This rank's parameters, each with the reference slices it holds (chapter 05's plan)."""
-    tp = mesh.size("tp")
-    out = []
-    for chunk in chunks.values():
-        if isinstance(chunk, MoEGPT):
-            raise NotImplementedError("checkpoint: a MoE GPT's experts (chapter 08) are not handled yet")
-        cfg = chunk.cfg
-        plan = tensor_parallel.shard_plan(cfg, tp) if tp > 1 else {}
-        for name, p in chunk.named_parameters():
-            copy = cfg.tie_embeddings and name == "lm_head.weight"  # the last stage's copy of the embedding
-            ref = "tok_emb.weight" if copy else name
-            dim, parts = plan.get(ref, (None, ((ref, None, tp),)))
-            pieces = tuple(Piece(r, dim, n, c) for r, n, c in parts)
-            out.append(Entry(name, p, dim, pieces, copy))
-    return out
-
-
-def tp_row(mesh: Mesh) -> list[int]:
-    """The global ranks of this rank's tensor-parallel row, in order (a row of one without tp)."""
-    me = dist.get_rank()
-    return next(row for row in mesh.rows("tp") if me in row)
-
-
-_MESHES: dict = {}
-
-
-def _device_mesh(row: tuple[int, ...], copies: int, device_type: str) -> DeviceMesh:
-    """``row`` as a ``(len(row) // copies) x copies`` DeviceMesh, without process groups (DCP only needs
-    each rank's coordinates from it)."""
-    key = (row, copies, device_type)
-    if key not in _MESHES:
-        grid = torch.tensor(row, device="cpu").reshape(len(row) // copies, copies)  # ranks' numbers
-        # _init_backend=False (a private argument of torch 2.13.0's DeviceMesh): describe the ranks' grid
-        # without making process groups, which DCP does not need and every rank would otherwise have to join
-        _MESHES[key] = DeviceMesh(device_type, grid, _init_backend=False)
-    return _MESHES[key]
-
-
-def _dtensor(local: torch.Tensor, piece: Piece, row: list[int]) -> DTensor:
-    """``local`` as its slice of the reference tensor ``piece.name``."""
-    tp = len(row)
-    shape = list(local.shape)
-    if piece.dim is None:
-        placements = [Replicate(), Replicate()]
-        dmesh = _device_mesh(tuple(row), tp, local.device.type)
-    else:
-        placements = [Shard(piece.dim), Replicate()]
-        dmesh = _device_mesh(tuple(row), piece.copies, local.device.type)
-        shape[piece.dim] *= tp // piece.copies
-    stride = [1] * len(shape)
-    for d in range(len(shape) - 2, -1, -1):
-        stride[d] = stride[d + 1] * shape[d + 1]
-    return DTensor.from_local(local.contiguous(), dmesh, placements, shape=torch.Size(shape),
-                              stride=tuple(stride), run_check=False)
-
-
 # ---------------------------------------------------------------------------------------------------------
-# The optimizer's moments, as plain per-parameter tensors
+# The optimizer's moments, shaped like what the rank keeps of each parameter
 # ---------------------------------------------------------------------------------------------------------
 
 
 def _optimizer_kind(optimizer) -> str:
     if isinstance(optimizer, zero.ShardedAdamW) and optimizer.stage == 1:
         return "zero1"
+    if isinstance(optimizer, composition.ChunksZero3):
+        return "zero3"
     if type(optimizer) is torch.optim.AdamW:
         return "adamw"
-    raise TypeError(f"checkpoint saves AdamW's and ZeRO-1's state, not {type(optimizer).__name__}'s")
+    raise TypeError(f"checkpoint saves AdamW's, ZeRO-1's and ZeRO-3's state, "
+                    f"not {type(optimizer).__name__}'s")
 
 
-def _moments(optimizer, param: nn.Parameter) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-    """``param``'s AdamW moments, shaped like it (ZeRO-1's rows all-gathered), and its step count."""
-    if _optimizer_kind(optimizer) == "adamw":
-        state = optimizer.state.get(param, {})
-    else:
-        state = optimizer.optimizer.state.get(optimizer.shard_of_param[param], {})
+def _owner(optimizer, h: Held):
+    """The torch optimizer holding ``h``'s state, and the tensor it is keyed by."""
+    kind = _optimizer_kind(optimizer)
+    if kind == "adamw":
+        return optimizer, h.param
+    if kind == "zero1":
+        return optimizer.optimizer, optimizer.shard_of_param[h.param]
+    if h.zero3 is not None:  # a dense parameter: its ZeRO-3's AdamW, keyed by its shard
+        return h.zero3.optimizer, h.kept()
+    return optimizer.experts, h.param  # an expert: plain AdamW
+
+
+def _moments(optimizer, h: Held) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """``h``'s AdamW moments, shaped like what the rank keeps of it (ZeRO-1's rows all-gathered), and its
+    step count."""
+    opt, key = _owner(optimizer, h)
+    state = opt.state.get(key, {})
     if not state:
         raise CheckpointError("the optimizer has no state yet: save after its first step, or without it")
-    if _optimizer_kind(optimizer) == "adamw":
-        return {m: state[m] for m in MOMENTS}, state["step"]
-    rows = param.shape[0]
-    return {m: zero.all_gather_rows(state[m], rows, optimizer.group) for m in MOMENTS}, state["step"]
+    if _optimizer_kind(optimizer) == "zero1":
+        rows = h.param.shape[0]
+        return {m: zero.all_gather_rows(state[m], rows, optimizer.group) for m in MOMENTS}, state["step"]
+    return {m: state[m] for m in MOMENTS}, state["step"]
 
 
-def _set_moments(optimizer, param: nn.Parameter, moments: dict[str, torch.Tensor], step: float) -> None:
-    """Give ``param`` the loaded moments and step (ZeRO-1: its rows of them, and its master shard)."""
+def _set_moments(optimizer, h: Held, moments: dict[str, torch.Tensor], step: float) -> None:
+    """Give ``h`` the loaded moments and step (ZeRO-1: its rows of them, and its master shard)."""
     count = torch.tensor(step, dtype=torch.float64 if torch.get_default_dtype() == torch.float64
                          else torch.float32, device="cpu")  # AdamW keeps its step count on the CPU
-    if _optimizer_kind(optimizer) == "adamw":
-        optimizer.state[param] = {"step": count, **{m: moments[m].clone() for m in MOMENTS}}
+    opt, key = _owner(optimizer, h)
+    if _optimizer_kind(optimizer) != "zero1":
+        opt.state[key] = {"step": count, **{m: moments[m].clone() for m in MOMENTS}}
         return
     rank, world = optimizer.rank, optimizer.world_size
-    shard = optimizer.shard_of_param[param]
-    shard.data.copy_(zero.shard_of(param.detach(), rank, world))  # the master rows: a view of the flat buffer
-    optimizer.optimizer.state[shard] = {"step": count,
-                                        **{m: zero.shard_of(moments[m], rank, world) for m in MOMENTS}}
+    key.data.copy_(zero.shard_of(h.param.detach(), rank, world))  # the master rows: a view of the flat buffer
+    opt.state[key] = {"step": count, **{m: zero.shard_of(moments[m], rank, world) for m in MOMENTS}}
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -185,37 +110,33 @@ def _set_moments(optimizer, param: nn.Parameter, moments: dict[str, torch.Tensor
 # ---------------------------------------------------------------------------------------------------------
 
 
-def _not_zero3(chunks: dict) -> None:
-    """Chapter 04's ZeRO-3 keeps a parameter as this rank's rows of a flat buffer and frees its full
-    storage between uses, so there is nothing whole to slice: refused, on every rank alike, not saved
-    empty."""
-    if any(getattr(chunk, "_zero3", None) is not None for chunk in chunks.values()):
-        raise CheckpointError("zero=3: ZeRO-3 frees each parameter's full storage between uses and keeps "
-                              "only its flat shard, which this checkpoint does not describe; save a run "
-                              "with zero=0 or zero=1")
+def _put(state: dict, h: Held, kept: torch.Tensor, prefix: str, suffix: str = "", fresh: bool = False):
+    """``h``'s boxes of ``kept`` (a tensor shaped like what the rank keeps of it) into ``state``, each under
+    ``prefix`` + its reference tensor's name + ``suffix``; ``fresh``: new tensors for DCP to fill instead."""
+    for box in h.boxes:
+        boxes = state.setdefault(prefix + box.name + suffix, Boxes(box.whole, kept.dtype))
+        part = box.of(kept).detach()
+        boxes.add(box.offsets, torch.zeros(part.shape, dtype=part.dtype, device="cpu") if fresh else part)
 
 
 def save(chunks: dict, mesh: Mesh, run, step: int, path, optimizer=None) -> None:
     """Write the checkpoint of this rank's ``chunks`` (after ``step`` steps) under ``path``: every rank
-    calls it; each writes only its slices (``__<rank>_0.distcp``), rank 0 the metadata too. With
+    calls it; each writes only boxes it keeps (``__<rank>_0.distcp``), rank 0 the metadata too. With
     ``optimizer``, its AdamW moments and step count go with the parameters."""
-    _not_zero3(chunks)
-    row = tp_row(mesh)
     state: dict = {STEP: torch.tensor(step, device="cpu")}  # the same on every rank: written once
     count = None
-    for e in entries(chunks, mesh):
-        if e.copy:
+    for h in held(chunks, mesh, run):
+        if h.copy:
             continue
-        for piece, local in zip(e.pieces, e.split(e.param.detach())):
-            state[MODEL + piece.name] = _dtensor(local, piece, row)
+        _put(state, h, h.kept(), MODEL)
         if optimizer is not None:
-            moments, count = _moments(optimizer, e.param)
+            moments, count = _moments(optimizer, h)
             for m in MOMENTS:
-                for piece, local in zip(e.pieces, e.split(moments[m])):
-                    state[f"{OPTIM}{piece.name}.{m}"] = _dtensor(local, piece, row)
+                _put(state, h, moments[m], OPTIM, "." + m)
     if optimizer is not None:
         state[OPTIM + STEP] = count.detach().to("cpu", torch.float64)
-    dcp.save(state, storage_writer=dcp.FileSystemWriter(os.fspath(path)))
+    share(state)
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(os.fspath(path)), planner=save_planner())
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -231,6 +152,11 @@ def metadata(path):
     return dcp.FileSystemReader(path).read_metadata()
 
 
+def _listed(names) -> str:
+    shown = sorted(set(names))
+    return f"{', '.join(shown[:4])}{' …' if len(shown) > 4 else ''}"
+
+
 def check_files(path) -> None:
     """Every file the metadata names is there and holds the bytes it should, or a :class:`CheckpointError`
     naming the file and what it held."""
@@ -241,20 +167,31 @@ def check_files(path) -> None:
         wanted[info.relative_path] = (max(end, info.offset + info.length), names + [index.fqn])
     for name, (end, names) in sorted(wanted.items()):
         file = os.path.join(path, name)
-        held = os.path.getsize(file) if os.path.isfile(file) else None
-        if held is None or held < end:
-            what = "is missing" if held is None else f"holds {held} bytes, not {end}"
-            shown = sorted(set(names))
+        size = os.path.getsize(file) if os.path.isfile(file) else None
+        if size is None or size < end:
+            what = "is missing" if size is None else f"holds {size} bytes, not {end}"
             raise CheckpointError(f"checkpoint {path}: shard file {name} {what}; it held "
-                                  f"{len(shown)} tensors' slices ({', '.join(shown[:4])}"
-                                  f"{' …' if len(shown) > 4 else ''})")
+                                  f"{len(set(names))} tensors' boxes ({_listed(names)})")
+
+
+def _uncovered(saved, boxes: Boxes) -> int:
+    """How many elements of this rank's ``boxes`` no saved chunk holds (DCP would leave them as they were)."""
+    missing = 0
+    for offsets, t in boxes.parts.items():
+        covered = 0
+        for chunk in saved.chunks:
+            overlap = [min(o + s, co + cs) - max(o, co)
+                       for o, s, co, cs in zip(offsets, t.shape, chunk.offsets, chunk.sizes)]
+            covered += math.prod(max(n, 0) for n in overlap)
+        missing += math.prod(t.shape) - covered
+    return missing
 
 
 def _check_names(md, state: dict, optimizer, run) -> None:
-    """The checkpoint's names, shapes and dtypes are the model's (every rank's names, gathered), or a
-    :class:`CheckpointError` on every rank naming what differs."""
-    mine = {k: tuple(v.shape) for k, v in state.items() if k.startswith(MODEL)}
-    problems, dtypes = [], {}
+    """The checkpoint's names, shapes and dtypes are the model's (every rank's names, gathered), and its boxes
+    cover what each rank asks for, or a :class:`CheckpointError` on every rank naming what differs."""
+    mine = sorted(k for k in state if k.startswith(MODEL))
+    problems, dtypes, holes = [], {}, []
     for key, t in sorted(state.items()):
         saved = md.state_dict_metadata.get(key)
         if saved is None:
@@ -264,19 +201,22 @@ def _check_names(md, state: dict, optimizer, run) -> None:
                             f"the model's {tuple(t.shape)}")
         elif key not in (STEP, OPTIM + STEP) and saved.properties.dtype != t.dtype:  # DCP would cast
             dtypes.setdefault((saved.properties.dtype, t.dtype), []).append(key)
+        elif isinstance(t, Boxes) and _uncovered(saved, t):
+            holes.append(f"{key} ({_uncovered(saved, t)} of {t.elements()} elements)")
     problems += [f"{len(keys)} tensors saved in {a}, the model's in {b} ({keys[0]}, …)"
                  for (a, b), keys in dtypes.items()]
+    if holes:
+        problems.append(f"the checkpoint's boxes leave elements unsaved that this layout reads: "
+                        f"{_listed(holes)}")
     gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, (sorted(mine), problems))
+    dist.all_gather_object(gathered, (mine, problems))
     model = {k for names, _ in gathered for k in names}
     problems = sorted({p for _, ps in gathered for p in ps})
     saved_model = {k for k in md.state_dict_metadata if k.startswith(MODEL)}
     for what, keys in (("missing from the checkpoint", model - saved_model),
                        ("in the checkpoint but not in the model", saved_model - model)):
         if keys:
-            shown = sorted(k[len(MODEL):] for k in keys)
-            problems.insert(0, f"{len(keys)} parameters {what}: {', '.join(shown[:4])}"
-                            f"{' …' if len(shown) > 4 else ''}")
+            problems.insert(0, f"{len(keys)} parameters {what}: {_listed(k[len(MODEL):] for k in keys)}")
     if optimizer is not None and OPTIM + STEP not in md.state_dict_metadata:
         problems.insert(0, "no optimizer state: the checkpoint was saved without optimizer=")
     if problems:
@@ -294,44 +234,36 @@ def load(chunks: dict, mesh: Mesh, run, path, optimizer=None) -> int:
     """Load the checkpoint at ``path`` into this rank's ``chunks`` (and ``optimizer``'s state, if given),
     whatever the layout that saved it; every rank calls it, ``run`` its description (named in the errors).
     Returns the step it was saved after."""
-    _not_zero3(chunks)
     md = metadata(path)
     check_files(path)
-    row = tp_row(mesh)
-    es = entries(chunks, mesh)
-    buffers: dict = {}  # name: the DTensor DCP fills, one per name (a tied copy shares the embedding's)
-
-    def ask(key: str, like: torch.Tensor, piece: Piece) -> torch.Tensor:
-        if key not in buffers:
-            buffers[key] = _dtensor(torch.zeros_like(like), piece, row)
-        return buffers[key]
-
+    hs = held(chunks, mesh, run)
     state: dict = {STEP: torch.zeros((), dtype=torch.int64, device="cpu")}
-    for e in es:
-        for piece, local in zip(e.pieces, e.split(e.param.detach())):
-            state[MODEL + piece.name] = ask(MODEL + piece.name, local, piece)
-            for m in MOMENTS if optimizer is not None else ():
-                key = f"{OPTIM}{piece.name}.{m}"
-                state[key] = ask(key, local, piece)
+    for h in hs:  # every box this rank keeps, a tied copy's too (one request per box)
+        _put(state, h, h.kept(), MODEL, fresh=True)
+        for m in MOMENTS if optimizer is not None else ():
+            _put(state, h, h.kept(), OPTIM, "." + m, fresh=True)
     if optimizer is not None:
         state[OPTIM + STEP] = torch.zeros((), dtype=torch.float64, device="cpu")
     _check_names(md, state, optimizer, run)
     try:
-        dcp.load(state, storage_reader=dcp.FileSystemReader(os.fspath(path)))
+        dcp.load(state, storage_reader=dcp.FileSystemReader(os.fspath(path)), planner=load_planner())
     except (Exception, CheckpointException) as err:  # DCP's (a BaseException) carries every rank's traceback
         raise CheckpointError(f"loading the checkpoint at {os.fspath(path)} failed: "
                               f"{_last_line(err)}") from err
 
-    def whole(e: Entry, prefix: str, suffix: str = "") -> torch.Tensor:
-        parts = [state[f"{prefix}{p.name}{suffix}"].to_local() for p in e.pieces]
-        return parts[0] if e.dim is None else torch.cat(parts, e.dim)
+    def whole(h: Held, prefix: str, suffix: str = "") -> torch.Tensor:
+        """What the rank keeps of ``h``, from the loaded boxes (a ZeRO-3 shard's padding rows zero)."""
+        kept = torch.zeros_like(h.kept())
+        for box in h.boxes:
+            box.of(kept).copy_(state[prefix + box.name + suffix].parts[box.offsets])
+        return kept
 
     with torch.no_grad():
-        for e in es:
-            e.param.copy_(whole(e, MODEL))
-        for e in es if optimizer is not None else ():
-            moments = {m: whole(e, OPTIM, "." + m) for m in MOMENTS}
-            _set_moments(optimizer, e.param, moments, float(state[OPTIM + STEP]))
+        for h in hs:
+            h.kept().copy_(whole(h, MODEL))  # under ZeRO-3, the shard: rows of the flat buffer gathered next
+        for h in hs if optimizer is not None else ():
+            moments = {m: whole(h, OPTIM, "." + m) for m in MOMENTS}
+            _set_moments(optimizer, h, moments, float(state[OPTIM + STEP]))
     return int(state[STEP])
 
 
@@ -342,32 +274,36 @@ def load(chunks: dict, mesh: Mesh, run, path, optimizer=None) -> int:
 
 def files(path) -> list[dict]:
     """The checkpoint's files: each one's name, the rank that wrote it (``None``: the metadata), its bytes,
-    the bytes of the tensors' elements in it (the rest is ``torch.save``'s framing of each slice), and the
-    slices in it, ``{name: (offsets, sizes, the whole tensor's size)}``."""
+    the bytes of tensor elements in it (counted from the tensors read back from the file; the rest is
+    ``torch.save``'s framing of each box), and the boxes in it, ``{name: [(offsets, sizes, the whole
+    tensor's size), ...]}``."""
     path, md = os.fspath(path), metadata(path)
-    slices: dict[str, dict] = {}
+    boxes: dict[str, dict] = {}
     data: dict[str, int] = {}
     for index, info in md.storage_data.items():
-        saved = md.state_dict_metadata[index.fqn]
-        chunks = getattr(saved, "chunks", None)
+        file = os.path.join(path, info.relative_path)
+        if not os.path.isfile(file):
+            continue
+        with open(file, "rb") as f:
+            f.seek(info.offset)
+            t = torch.load(io.BytesIO(f.read(info.length)), weights_only=True)
+        data[info.relative_path] = data.get(info.relative_path, 0) + t.numel() * t.element_size()
         offsets = tuple(index.offset) if index.offset is not None else ()
-        sizes = next((tuple(c.sizes) for c in chunks or () if tuple(c.offsets) == offsets), None)
-        whole = tuple(getattr(saved, "size", ()))
-        slices.setdefault(info.relative_path, {})[index.fqn] = (offsets, sizes, whole)
-        if sizes is not None:
-            data[info.relative_path] = (data.get(info.relative_path, 0)
-                                        + math.prod(sizes) * saved.properties.dtype.itemsize)
+        whole = tuple(getattr(md.state_dict_metadata[index.fqn], "size", ()))
+        boxes.setdefault(info.relative_path, {}).setdefault(index.fqn, []).append(
+            (offsets, tuple(t.shape), whole))
     out = []
     for name in sorted(os.listdir(path)):
         match = re.fullmatch(r"__(\d+)_\d+\.distcp", name)
         out.append({"file": name, "rank": int(match.group(1)) if match else None,
                     "bytes": os.path.getsize(os.path.join(path, name)), "tensor_bytes": data.get(name, 0),
-                    "slices": slices.get(name, {})})
+                    "boxes": boxes.get(name, {})})
     return out
 
 
 def bytes_by_rank(path) -> dict[int, dict[str, int]]:
-    """What each rank wrote (its shard files), by rank: ``{"bytes": ..., "tensor_bytes": ...}``."""
+    """What each rank wrote (its shard files), by rank: ``{"bytes": ..., "tensor_bytes": ...}``; the
+    metadata file (written by rank 0) is not in it: :func:`files` lists it, with rank ``None``."""
     out: dict[int, dict[str, int]] = {}
     for f in files(path):
         if f["rank"] is not None:
@@ -377,5 +313,19 @@ def bytes_by_rank(path) -> dict[int, dict[str, int]]:
     return out
 
 
-__all__ = ["MODEL", "OPTIM", "STEP", "MOMENTS", "CheckpointError", "Piece", "Entry", "entries", "tp_row",
-           "save", "metadata", "check_files", "load", "files", "bytes_by_rank"]
+def against_expected(path, run) -> list[dict]:
+    """For a page: each rank's file, its bytes, the tensor bytes counted in it and ``torch.save``'s framing
+    around them, beside the tensor bytes ``checkpoint_bytes.expected_bytes`` derives from the shapes and the
+    layout (to match exactly); the last row the metadata file (rank ``None``), which nothing predicts."""
+    from helpers.training.checkpoint_bytes import expected_bytes
+
+    expected = expected_bytes(run, optimizer=OPTIM + STEP in metadata(path).state_dict_metadata)
+    rows = [{"rank": f["rank"], "file": f["file"], "bytes": f["bytes"], "tensor_bytes": f["tensor_bytes"],
+             "framing": f["bytes"] - f["tensor_bytes"],
+             "expected": None if f["rank"] is None else expected[f["rank"]]["tensor_bytes"]}
+            for f in files(path)]
+    return sorted(rows, key=lambda r: (r["rank"] is None, r["rank"] or 0))
+
+
+__all__ = ["MODEL", "OPTIM", "STEP", "MOMENTS", "CheckpointError", "save", "metadata", "check_files", "load",
+           "files", "bytes_by_rank", "against_expected"]
