@@ -92,50 +92,55 @@ def predicted(run: capstone.Run, where: dict) -> dict[str, int]:
     _check(run)
     e, counter = _sizes(run)
     s = _shapes(run, where)
+    counters = counter * (s["n_dense"] + s["n_experts"])
+    if run.zero == 0:  # DDP: every parameter whole, its gradient, AdamW's two moments
+        whole = s["dense"] + s["experts"]
+        return {"parameters": e * whole, "gradients": e * whole, "optimizer states": 2 * e * whole + counters}
     return {"parameters": e * (s["roots"] + s["experts"]),
             "gradients": e * (s["dense"] + s["experts"]),
-            "optimizer states": 3 * e * s["shards"] + 2 * e * s["experts"]
-                                + counter * (s["n_dense"] + s["n_experts"])}
+            "optimizer states": 3 * e * s["shards"] + 2 * e * s["experts"] + counters}
 
 
 def calculator(run: capstone.Run, where: dict) -> memory_budget.Budget:
-    """Chapter 01's budget of the rank's stage, with ``zero=3`` (no master copy: AdamW's two moments in the
-    run's precision)."""
+    """Chapter 01's budget of the rank's stage, with the run's ZeRO stage (no master copy: AdamW's two
+    moments in the run's precision), and LayerNorm's statistics in the run's precision."""
     _check(run)
     e, _ = _sizes(run)
     precision = memory_budget.Precision(run.precision, e, e, 0, 2 * e, e)
-    return memory_budget.budget(capstone.model_shape(run), run.batch(), run.layout(), precision,
+    act = memory_budget.ActivationModel(norm_stat_bytes=2 * e)
+    return memory_budget.budget(capstone.model_shape(run), run.batch(), run.layout(), precision, act=act,
                                 stage=where["pp"], traffic=False)
 
 
 def differences(run: capstone.Run, where: dict) -> list[tuple[str, str, int]]:
-    """``(kind, why, bytes)``: what :func:`predicted` adds to :func:`calculator`'s figures, each named."""
+    """``(kind, why, bytes)``: what :func:`predicted` adds to :func:`calculator`'s figures, each named. The
+    calculator plus these is the prediction, or this raises (a difference left unnamed)."""
     _check(run)
     e, counter = _sizes(run)
     s, b, n = _shapes(run, where), calculator(run, where), run.dp * run.cp
     dense_calc, experts_calc = _calculator_counts(run, where)
     shard_calc, shard = -(-dense_calc // n), -(-s["dense"] // n)
-    out = []
-    placed = (e * (shard - shard_calc), e * (s["experts"] - experts_calc))
-    for kind, k in zip(KINDS, (1, 1, 2)):
-        out.append((kind, "layers placed by the interleaved schedule, experts whole over tp",
-                    k * sum(placed)))
-    out += [("parameters", "the shards are the optimizer's parameters: LiveMemory counts them there",
-             -e * shard),
-            ("optimizer states", "the shards themselves", e * shard),
-            ("parameters", "each chunk's root gathered for the step, rows padded", e * s["roots"]),
-            ("gradients", "the reduce-scatter waits for the step: full dense gradients, not a shard",
-             e * (s["dense"] - shard)),
-            ("optimizer states", "padding rows of the shards, with AdamW's two moments",
-             3 * e * (s["shards"] - shard)),
-            ("optimizer states", "AdamW's step counters, one per parameter",
-             counter * (s["n_dense"] + s["n_experts"]))]
+    placed = e * (s["experts"] - experts_calc)
+    placed += e * (shard - shard_calc if run.zero == 3 else s["dense"] - dense_calc)
+    out = [(kind, "layers placed by the interleaved schedule, experts whole over tp", k * placed)
+           for kind, k in zip(KINDS, (1, 1, 2))]
+    if run.zero == 3:
+        out += [("parameters", "the shards are the optimizer's parameters: LiveMemory counts them there",
+                 -e * shard),
+                ("optimizer states", "the shards themselves", e * shard),
+                ("parameters", "each chunk's root gathered for the step, rows padded", e * s["roots"]),
+                ("gradients", "the reduce-scatter waits for the step: full dense gradients, not a shard",
+                 e * (s["dense"] - shard)),
+                ("optimizer states", "padding rows of the shards, with AdamW's two moments",
+                 3 * e * (s["shards"] - shard))]
+    out.append(("optimizer states", "AdamW's step counters, one per parameter",
+                counter * (s["n_dense"] + s["n_experts"])))
     total = {k: getattr(b, a) for k, a in zip(KINDS, ("param_bytes", "grad_bytes", "optimizer_bytes"))}
     for kind, _, nbytes in out:
         total[kind] += nbytes
     if total != predicted(run, where):  # the two roads must meet: else a difference is missing
         raise RuntimeError(f"the calculator plus its named differences {total} is not the prediction "
-                             f"{predicted(run, where)}")
+                           f"{predicted(run, where)}")
     return out
 
 
@@ -145,9 +150,10 @@ def _calculator_counts(run: capstone.Run, where: dict) -> tuple[int, int]:
 
 
 def _check(run: capstone.Run) -> None:
-    if run.zero != 3 or run.optimizer != "adamw" or run.dp * run.cp == 1:
+    if run.zero not in (0, 3) or run.optimizer != "adamw" or run.dp * run.cp == 1:
         raise ValueError(f"zero={run.zero}, optimizer={run.optimizer!r}, dp*cp={run.dp * run.cp}: these "
-                         f"predictions are ZeRO-3's with AdamW over a data-parallel group of 2 ranks or more")
+                         f"predictions are DDP's (zero=0) or ZeRO-3's, with AdamW over a data-parallel group "
+                         f"of 2 ranks or more")
 
 
 __all__ = ["KINDS", "live_memory", "predicted", "calculator", "differences"]
