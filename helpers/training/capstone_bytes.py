@@ -234,24 +234,33 @@ def rank_tokens(run: capstone.Run, where: dict, micro: int) -> tuple[list[int], 
     return rows, positions
 
 
+def routed_rows(run: capstone.Run, where: dict, routing: dict, layer: int, micro: int) -> dict[str, int]:
+    """Rows of MoE layer ``layer`` in micro-batch ``micro`` for the rank at ``where``, from the single
+    process's routing of every expert-parallel rank's tokens (:func:`rank_tokens`): ``leave`` (its tokens'
+    assignments to other ranks' experts), ``arrive`` (other ranks' tokens' assignments to its experts) and
+    ``stay`` (its own tokens' assignments to its own experts). No capacity: every assignment is kept."""
+    n_local, me = run.n_experts // run.ep, ep_index(run, where)
+    out = dict(leave=0, arrive=0, stay=0)
+    for k in range(run.ep):
+        rows, positions = rank_tokens(run, dict(where, dp_shard=k // run.cp, cp=k % run.cp), micro)
+        owner = routing[layer][rows][:, positions] // n_local  # (rows, positions, top_k): the expert's rank
+        if k == me:
+            out["leave"] += int((owner != me).sum())
+            out["stay"] += int((owner == me).sum())
+        else:
+            out["arrive"] += int((owner == me).sum())
+    return out
+
+
 def _ep_items(run, z, where, chunks, layers, is_moe, routing) -> list:
     cfg, e, ep = z["cfg"], z["e"], run.ep
-    n_local = cfg.n_experts // ep
-    me = ep_index(run, where)
-    group = [dict(where, dp_shard=k // run.cp, cp=k % run.cp) for k in range(ep)]  # by ep index
     out = []
     for c in chunks:
         for i in (i for i in layers[c] if is_moe(i)):
-            leave = arrive = 0
-            for micro in range(run.m):
-                for k, other in enumerate(group):
-                    rows, positions = rank_tokens(run, other, micro)
-                    owner = routing[i][rows][:, positions] // n_local  # (rows, positions, top_k)
-                    if k == me:
-                        leave += int((owner != me).sum())
-                    else:
-                        arrive += int((owner == me).sum())
-            counts = run.m * (ep - 1) * n_local * torch.empty((), dtype=torch.int64).element_size()
+            rows = [routed_rows(run, where, routing, i, micro) for micro in range(run.m)]
+            leave, arrive = sum(r["leave"] for r in rows), sum(r["arrive"] for r in rows)
+            int64 = torch.empty((), dtype=torch.int64).element_size()
+            counts = run.m * (ep - 1) * (cfg.n_experts // ep) * int64
             out.append(("ep", f"block {i}: split sizes, {run.m} all-to-alls of int64 counts", counts))
             out.append(("ep", f"block {i}: dispatch and combine's backward, {leave} rows leaving",
                         2 * leave * cfg.d_model * e))
@@ -333,5 +342,5 @@ CALCULATOR_DIFFERENCES = {
 """Why chapter 01's calculator and :func:`predicted` differ, by dimension."""
 
 
-__all__ = ["Param", "chunk_params", "rank_chunks", "items", "ep_index", "rank_tokens", "predicted",
-           "expected_routing", "calculator", "CALCULATOR_DIFFERENCES", "whole"]
+__all__ = ["Param", "chunk_params", "rank_chunks", "items", "ep_index", "rank_tokens", "routed_rows",
+           "predicted", "expected_routing", "calculator", "CALCULATOR_DIFFERENCES", "whole"]

@@ -28,10 +28,10 @@ import math
 
 import torch
 
-from helpers.cost import memory_budget
+from helpers.cost import memory_budget, pipeline_schedules
 from helpers.measure import LiveMemory
 from helpers.parallel import composition
-from helpers.training import capstone
+from helpers.training import capstone, capstone_bytes
 from helpers.training.capstone_bytes import chunk_params, rank_chunks
 
 KINDS = ("parameters", "gradients", "optimizer states")
@@ -144,6 +144,110 @@ def differences(run: capstone.Run, where: dict) -> list[tuple[str, str, int]]:
     return out
 
 
+# --------------------------------------------------------------------------------------------- activations
+
+
+def _activation_models(run: capstone.Run):
+    e, _ = _sizes(run)
+    return (memory_budget.ActivationModel(kv_expanded=False, norm_stat_bytes=2 * e),
+            memory_budget.Precision(run.precision, e, e, 0, 2 * e, e))
+
+
+def layer_saved(run: capstone.Run, where: dict, routing: dict | None, layer: int,
+                micro: int) -> tuple[int, int]:
+    """Bytes block ``layer`` keeps saved for backward in micro-batch ``micro`` on the rank at ``where``: what
+    its backward frees, and what only the block's next forward frees (a MoE layer's auxiliary losses: weighted
+    0, they are left out of the loss, and the layer's attributes keep their graph).
+
+    A dense layer is chapter 01's ``layer_activation_bytes`` (ring attention keeps each rank's own K/V heads,
+    not expanded; LayerNorm's statistics in the run's precision), with the log-sum-exp of every query row in
+    the run's precision, not fp32. A MoE layer is that layer without its MLP part (the second norm, the
+    MLP's input and hidden activations), plus what chapter 08's layer saves, itemised from the routing
+    (``capstone_bytes.routed_rows``): on ``T`` tokens with ``R = T·top_k`` assignments and ``A`` rows arriving
+    at its experts."""
+    cfg, shape, (e, _) = run.model_config(), capstone.model_shape(run), _sizes(run)
+    if run.attention != "ring" or cfg.norm != "layernorm" or cfg.gated:
+        raise ValueError(f"attention={run.attention!r}, norm={cfg.norm!r}, gated={cfg.gated}: the "
+                         f"activations are itemised for ring attention on the book's GPT (LayerNorm, GELU)")
+    b, s_cp = run.global_batch // (run.dp * run.m), cfg.seq_len // run.cp
+    dense = memory_budget.layer_activation_bytes(shape, cfg.seq_len, b, *_activation_models(run), run.tp,
+                                                 run.sequence_parallel, run.cp)
+    dense += cfg.n_heads * s_cp * b * (e - 4) // run.tp  # the log-sum-exp in the run's precision
+    if not getattr(cfg, "is_moe", lambda _: False)(layer):
+        return dense, 0
+    split = run.tp if run.sequence_parallel else 1
+    T, d, E, k, F = b * s_cp // split, cfg.d_model, cfg.n_experts, cfg.top_k, cfg.d_ff
+    mlp = (2 * T * d * e + T * 2 * e) + b * s_cp * F * 2 * e // run.tp  # ln2 and the MLP's input; hidden
+    rows = capstone_bytes.routed_rows(run, where, routing, layer, micro)
+    R, A = T * k, rows["stay"] + rows["arrive"]
+    i64 = torch.empty((), dtype=torch.int64).element_size()
+    moe = (T * d * e + T * 2 * e          # the second norm's input and statistics
+           + T * d * e + T * E * e        # the router's input, the softmax's probabilities
+           + T * k * i64 + T * k * e + T * e + T * k  # chosen experts, gates and their sum, kept mask (1 B)
+           + 2 * R * i64                  # the assignments sorted by expert, and their tokens
+           + 2 * A * i64 + A * d * e      # the arrivals' order and its inverse; the rows at the experts
+           + 2 * A * F * e                # each row's GELU input and output in its expert
+           + R * e + 2 * R * d * e)       # combine: the gates, the rows back and weighted
+    aux = E * e + T * E * e + T * e       # load balance's fractions; z-loss's logits and log-sum-exp
+    return dense - mlp + moe, aux
+
+
+def _peak(run: capstone.Run, where: dict, routing: dict | None):
+    """The schedule replayed on the rank: the peak, the (layer, micro-batch) pairs alive then, and the
+    layers whose auxiliary graph is."""
+    cfg = run.model_config()
+    n_chunks = run.pp * run.vpp if run.pp > 1 else 1
+    held, lingering, best = {}, {}, (-1, [], [])
+    for action in run.pipeline_schedule().actions[where["pp"]]:
+        layers = pipeline_schedules.stage_layers(cfg.n_layers, n_chunks)[action.chunk]
+        if action.kind == "F":
+            for i in layers:
+                held[i, action.micro_batch], lingering[i] = layer_saved(run, where, routing, i,
+                                                                        action.micro_batch)
+        else:
+            for i in layers:
+                del held[i, action.micro_batch]
+        now = sum(held.values()) + sum(lingering.values())
+        if now > best[0]:
+            best = (now, list(held), [i for i, aux in lingering.items() if aux])
+    return best
+
+
+def activation_peak(run: capstone.Run, where: dict, routing: dict | None = None) -> int:
+    """The most bytes saved for backward inside the rank's blocks after any action of its schedule (what
+    chapter 06's ``SavedActivations`` reads after each action): each forward adds its chunk's layers
+    (:func:`layer_saved`), each backward frees them; a MoE layer's auxiliary graph lives until the layer's
+    next forward."""
+    return _peak(run, where, routing)[0]
+
+
+def activation_differences(run: capstone.Run, where: dict, routing: dict | None = None) -> list:
+    """``(why, bytes)``: from the calculator's activations of the rank's stage to :func:`activation_peak`,
+    each named (they add up to it, or this raises)."""
+    cfg, shape, (e, _) = run.model_config(), capstone.model_shape(run), _sizes(run)
+    b, s_cp = run.global_batch // (run.dp * run.m), cfg.seq_len // run.cp
+    peak, alive, lingering = _peak(run, where, routing)
+    one = {moe: memory_budget.layer_activation_bytes(shape, cfg.seq_len, b, *_activation_models(run), run.tp,
+                                                     run.sequence_parallel, run.cp, moe=moe)
+           for moe in (False, True)}
+    is_moe = getattr(cfg, "is_moe", lambda _: False)
+    calculator_layers = sum(one[is_moe(i)] for i, _ in alive)
+    lse = cfg.n_heads * s_cp * b * (e - 4) // run.tp
+    itemised = sum(layer_saved(run, where, routing, i, j)[0] - one[False] - lse
+                   for i, j in alive if is_moe(i))
+    stage = calculator(run, where).activation_bytes
+    out = [("the layers alive at the schedule's peak on the rank's chunks, not the calculator's micro-batches"
+            " in flight on its contiguous stage", calculator_layers - stage),
+           ("the log-sum-exp of each query row in the run's precision, not fp32", len(alive) * lse),
+           ("the MoE layers' saved tensors from the routing, not the calculator's uniform MoE layer",
+            itemised - sum(one[True] - one[False] for i, _ in alive if is_moe(i))),
+           ("the MoE layers' auxiliary-loss graphs, alive until each layer's next forward",
+            sum(layer_saved(run, where, routing, i, 0)[1] for i in lingering))]
+    if stage + sum(n for _, n in out) != peak:
+        raise RuntimeError("the calculator's activations and the named differences do not add up to the peak")
+    return out
+
+
 def _calculator_counts(run: capstone.Run, where: dict) -> tuple[int, int]:
     """The calculator's (dense, expert) parameter counts of the rank's stage (``memory_budget``'s own)."""
     return memory_budget._stage_params(capstone.model_shape(run), run.layout())[where["pp"]]
@@ -156,4 +260,5 @@ def _check(run: capstone.Run) -> None:
                          f"of 2 ranks or more")
 
 
-__all__ = ["KINDS", "live_memory", "predicted", "calculator", "differences"]
+__all__ = ["KINDS", "live_memory", "predicted", "calculator", "differences", "layer_saved", "activation_peak",
+           "activation_differences"]
