@@ -7,8 +7,9 @@ tp=2 with the experts folded onto dp_shard × cp (ep=4), interleaved 1F1B with v
 - What each rank holds after the measured step's backward, read from live storages (under ZeRO-3 by
   ``capstone_memory.live_memory``, under DDP by ``capstone.train``'s own meter), equals
   ``capstone_memory.predicted`` to the byte, and that is chapter 01's calculator plus the named differences
-  (``capstone_memory.differences``); with ring attention, so do the activations at the step's peak
-  (``capstone_memory.activation_peak``, itemised from the routing for the MoE layers).
+  (``capstone_memory.differences``); so do the activations at the step's peak (chapter 06's
+  ``SavedActivations`` against ``capstone_memory.activation_peak``: chapter 01's layers, the MoE layers
+  itemised from the routing, the schedule replayed).
 - Three planted faults, one dimension each, change that dimension's bytes and no other's: ring attention
   passing one K/V block too many (cp), ZeRO-3 gathering each unit twice (dp_shard_cp), every expert's rows
   sent to the next expert-parallel rank (ep); a fourth, ZeRO-3 leaving a block gathered after its backward,
@@ -144,12 +145,11 @@ def test_every_rank_sends_what_the_formulas_say(sixteen, changes):
         got = {k: r["held"][k] for k in capstone_memory.KINDS}
         assert got == want, f"rank {r['rank']} {r['where']}: held {got}, predicted {want}"
         assert r["held"]["activations"] == 0  # nothing autograd saved outlives backward
-    if run.attention == "ring":  # the activations at the step's peak: saved tensors against the itemisation
-        routing = capstone_bytes.expected_routing(run, capstone.data(run))
-        for r in results:
-            peak = max(event[7] for event in r["events"])
-            want = capstone_memory.activation_peak(run, r["where"], routing)
-            assert peak == want, f"rank {r['rank']} {r['where']}: {peak} B saved at the peak, not {want}"
+    routing = capstone_bytes.expected_routing(run, capstone.data(run))
+    for r in results:  # the activations at the step's peak: saved tensors against the itemisation
+        peak = max(event[7] for event in r["events"])
+        want = capstone_memory.activation_peak(run, r["where"], routing)
+        assert peak == want, f"rank {r['rank']} {r['where']}: {peak} B saved at the peak, not {want}"
 
 
 @pytest.mark.parametrize("plant", ["cp", "dp_shard_cp", "ep"])

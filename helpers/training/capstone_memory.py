@@ -161,18 +161,19 @@ def layer_saved(run: capstone.Run, where: dict, routing: dict | None, layer: int
 
     A dense layer is chapter 01's ``layer_activation_bytes`` (ring attention keeps each rank's own K/V heads,
     not expanded; LayerNorm's statistics in the run's precision), with the log-sum-exp of every query row in
-    the run's precision, not fp32. A MoE layer is that layer without its MLP part (the second norm, the
-    MLP's input and hidden activations), plus what chapter 08's layer saves, itemised from the routing
-    (``capstone_bytes.routed_rows``): on ``T`` tokens with ``R = T·top_k`` assignments and ``A`` rows arriving
-    at its experts."""
+    the run's precision, not fp32, and under Ulysses what its attention adds (:func:`_ulysses`). A MoE layer
+    is that layer without its MLP part (the second norm, the MLP's input and hidden activations), plus what
+    chapter 08's layer saves, itemised from the routing (``capstone_bytes.routed_rows``): on ``T`` tokens with
+    ``R = T·top_k`` assignments and ``A`` rows arriving at its experts."""
     cfg, shape, (e, _) = run.model_config(), capstone.model_shape(run), _sizes(run)
-    if run.attention != "ring" or cfg.norm != "layernorm" or cfg.gated:
-        raise ValueError(f"attention={run.attention!r}, norm={cfg.norm!r}, gated={cfg.gated}: the "
-                         f"activations are itemised for ring attention on the book's GPT (LayerNorm, GELU)")
+    if cfg.norm != "layernorm" or cfg.gated:
+        raise ValueError(f"norm={cfg.norm!r}, gated={cfg.gated}: the activations are itemised for the "
+                         f"book's GPT (LayerNorm, a GELU MLP)")
     b, s_cp = run.global_batch // (run.dp * run.m), cfg.seq_len // run.cp
     dense = memory_budget.layer_activation_bytes(shape, cfg.seq_len, b, *_activation_models(run), run.tp,
                                                  run.sequence_parallel, run.cp)
     dense += cfg.n_heads * s_cp * b * (e - 4) // run.tp  # the log-sum-exp in the run's precision
+    dense += _ulysses(run)
     if not getattr(cfg, "is_moe", lambda _: False)(layer):
         return dense, 0
     split = run.tp if run.sequence_parallel else 1
@@ -190,6 +191,21 @@ def layer_saved(run: capstone.Run, where: dict, routing: dict | None, layer: int
            + R * e + 2 * R * d * e)       # combine: the gates, the rows back and weighted
     aux = E * e + T * E * e + T * e       # load balance's fractions; z-loss's logits and log-sum-exp
     return dense - mlp + moe, aux
+
+
+def _ulysses(run: capstone.Run) -> int:
+    """What Ulysses' attention saves beyond ring attention's, per layer and micro-batch: the causal mask
+    over the whole sequence (PyTorch's scaled_dot_product_attention turns the boolean mask into one of the
+    run's dtype), K and V repeated to the query heads (ring attention keeps the KV heads), and the attention
+    output apart from the output projection's input (the second all-to-all copies it; ring attention's output
+    is that input). As this machine's CPU kernel saves them (another kernel may save otherwise)."""
+    if run.attention != "ulysses":
+        return 0
+    cfg, (e, _) = run.model_config(), _sizes(run)
+    b, s_cp = run.global_batch // (run.dp * run.m), cfg.seq_len // run.cp
+    heads, kv_heads = cfg.n_heads // run.tp, max(cfg.n_kv_heads // run.tp, 1)
+    return (cfg.seq_len ** 2 * e + 2 * b * s_cp * cfg.head_dim * e * (heads - kv_heads)
+            + b * s_cp * heads * cfg.head_dim * e)
 
 
 def _peak(run: capstone.Run, where: dict, routing: dict | None):
@@ -233,12 +249,14 @@ def activation_differences(run: capstone.Run, where: dict, routing: dict | None 
     is_moe = getattr(cfg, "is_moe", lambda _: False)
     calculator_layers = sum(one[is_moe(i)] for i, _ in alive)
     lse = cfg.n_heads * s_cp * b * (e - 4) // run.tp
-    itemised = sum(layer_saved(run, where, routing, i, j)[0] - one[False] - lse
+    itemised = sum(layer_saved(run, where, routing, i, j)[0] - one[False] - lse - _ulysses(run)
                    for i, j in alive if is_moe(i))
     stage = calculator(run, where).activation_bytes
     out = [("the layers alive at the schedule's peak on the rank's chunks, not the calculator's micro-batches"
             " in flight on its contiguous stage", calculator_layers - stage),
            ("the log-sum-exp of each query row in the run's precision, not fp32", len(alive) * lse),
+           ("Ulysses: the whole causal mask, K and V repeated to the query heads, the output copied",
+            len(alive) * _ulysses(run)),
            ("the MoE layers' saved tensors from the routing, not the calculator's uniform MoE layer",
             itemised - sum(one[True] - one[False] for i, _ in alive if is_moe(i))),
            ("the MoE layers' auxiliary-loss graphs, alive until each layer's next forward",
