@@ -171,12 +171,14 @@ def test_a_block_left_gathered_after_its_backward_is_seen_in_memory_and_bytes(si
 
 
 def test_the_calculator_is_shown_beside_the_formulas_with_its_differences_named():
-    """Without ranks: every dimension the calculator has a figure for has a named difference, and under ZeRO-3
-    the calculator's memory plus the named differences is the prediction (``differences`` raises if not)."""
-    run = five_d()
-    for stage, sent in capstone_bytes.calculator(run).items():
-        assert set(sent) <= set(capstone_bytes.CALCULATOR_DIFFERENCES), sent
-        assert capstone_memory.differences(run, dict(RANK0, pp=stage))
+    """Without ranks: every dimension the calculator has a figure for has a named difference, and the
+    calculator's memory and activations plus the named differences are the predictions (both raise if not)."""
+    for run in (five_d(), five_d(zero=0, attention="ulysses")):
+        routing = capstone_bytes.expected_routing(run, capstone.data(run))
+        for stage, sent in capstone_bytes.calculator(run).items():
+            assert set(sent) <= set(capstone_bytes.CALCULATOR_DIFFERENCES), sent
+            assert capstone_memory.differences(run, dict(RANK0, pp=stage))
+            assert capstone_memory.activation_differences(run, dict(RANK0, pp=stage), routing)
 
 
 RANK0, RANK8 = dict(pp=0, dp_shard=0, cp=0, tp=0), dict(pp=1, dp_shard=0, cp=0, tp=0)

@@ -1,25 +1,28 @@
-"""What one rank of the capstone holds under ZeRO-3 after the measured step's backward (chapter 15).
+"""What one rank of the capstone holds in its measured step, from shapes and the routing (chapter 15).
 
-Under ``zero=3`` the composition turns chapter 04's per-unit meters off, so ``capstone.train`` measures
-nothing. :func:`live_memory` is chapter 04's :class:`~helpers.measure.LiveMemory` over the rank's chunks and
-every optimizer of :class:`~helpers.parallel.composition.ChunksZero3` (each chunk's AdamW over its shards, and
-the experts' plain AdamW), read from the storages alive when :meth:`~helpers.measure.LiveMemory.held` is
-called; ``capstone.train`` calls it where it calls ZeRO-1's meter, after backward and before the step.
-
-:func:`predicted` says what that should be, by LiveMemory's kinds, from the model's shapes
-(:func:`helpers.training.capstone_bytes.chunk_params`): chapter 01's calculator with ``zero=3`` for the rank's
-stage (:func:`calculator`), plus the differences it does not model, each named and computed from shapes
-(:func:`differences`):
+After backward. Under ``zero=3`` the composition turns chapter 04's per-unit meters off, so
+``capstone.train`` measures nothing: :func:`live_memory` is chapter 04's :class:`~helpers.measure.LiveMemory`
+over the rank's chunks and every optimizer of :class:`~helpers.parallel.composition.ChunksZero3` (each
+chunk's AdamW over its shards, the experts' plain AdamW), read from the storages alive when ``held()`` is
+called (``capstone.train`` calls it where it calls ZeRO-1's meter). :func:`predicted` says what it should
+read, by kind, under ZeRO-3 or DDP (``zero=0``, ``capstone.train``'s own meter), from the model's shapes
+(:func:`helpers.training.capstone_bytes.chunk_params`); :func:`differences` gets there from chapter 01's
+calculator for the rank's stage (:func:`calculator`), each difference named and computed from shapes:
 
 - where the layers are: the calculator's stage holds contiguous layers with its dense layers first and its
   experts split over tp; the rank holds its interleaved chunks, each MoE layer's experts whole;
-- the shards are the optimizer's parameters, so LiveMemory counts them as optimizer states, not parameters;
-- each chunk's root (embeddings, final norm and head) stays gathered for the whole step, its rows padded to
-  the group (ZeRO-3's ``ceil(rows/N)`` per rank), while every block is freed after its backward;
-- the reduce-scatter waits for the step, so the full gradient of every dense parameter is held until then
-  (the calculator's ZeRO-3 keeps a shard of it);
-- the padding rows of every shard, with both of AdamW's moments;
+- under ZeRO-3: the shards are the optimizer's parameters, so LiveMemory counts them as optimizer states;
+  each chunk's root (embeddings, final norm and head) stays gathered for the step, its rows padded to the
+  group (``ceil(rows/N)`` per rank), while every block is freed after its backward; the reduce-scatter waits
+  for the step, so every dense parameter's full gradient is held until then; the padding rows of every
+  shard, with AdamW's two moments;
 - AdamW's step counter, one 0-d tensor (the default dtype) per parameter it updates.
+
+At the peak. :func:`activation_peak` is what chapter 06's ``SavedActivations`` should read at the step's
+peak: each layer chapter 01's ``layer_activation_bytes`` with what it leaves out (the log-sum-exp in the
+run's precision; Ulysses' mask, repeated K/V and copied output), a MoE layer itemised from the single
+process's routing (:func:`layer_saved`), and the rank's schedule replayed action by action;
+:func:`activation_differences` names what separates it from the calculator's figure.
 """
 
 from __future__ import annotations
