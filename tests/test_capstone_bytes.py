@@ -127,8 +127,9 @@ def wrong_bytes(results, run) -> dict[str, list]:
 
 
 CASES = {"ring, ZeRO-3": dict(attention="ring", zero=3), "Ulysses, DDP": dict(attention="ulysses", zero=0),
-         # d_ff/tp = 130 rows of the MLP's weights over 4 ranks: ZeRO-3 pads them to 4 x 33
-         "ring, ZeRO-3, padded shards": dict(attention="ring", zero=3, d_ff=260)}
+         # a MoE layer in every chunk (both pipeline ranks send ep); d_ff/tp = 130 rows of the MLP's
+         # weights over 4 ranks, which ZeRO-3 pads to 4 x 33
+         "ring, ZeRO-3, 8 layers, padded shards": dict(attention="ring", zero=3, n_layers=8, d_ff=260)}
 
 
 @pytest.mark.parametrize("changes", CASES.values(), ids=CASES.keys())

@@ -41,6 +41,7 @@ import torch
 
 from helpers.cost import memory_budget, pipeline_schedules, time_model
 from helpers.parallel.context_parallel import ring_bytes, ulysses_bytes
+from helpers.parallel.mesh import FLATTENED
 from helpers.training import capstone
 
 
@@ -139,7 +140,7 @@ def items(run: capstone.Run, where: dict, routing: dict | None = None) -> list[t
             tied = cfg.vocab_size // run.tp * cfg.d_model * e
             out.append(("pp" if run.pp == 2 else "other", "tied embedding's gradient, ring all-reduce",
                         whole(time_model.ring_all_reduce_bytes(tied, 2))))
-    n = run.dp * run.cp  # the data-parallel group, dp_shard_cp
+    n, dp = run.dp * run.cp, data_parallel_dimension(run)  # the group that shards the dense parameters
     if n > 1:
         for c in chunks:
             dense = [p for p in params[c] if not p.expert]
@@ -148,13 +149,13 @@ def items(run: capstone.Run, where: dict, routing: dict | None = None) -> list[t
                     shard = sum(-(-p.shape[0] // n) * math.prod(p.shape[1:]) for p in dense if p.unit == unit)
                     gathers = 1 if unit == "root" else 2 * m
                     padded = n * shard * e  # the gathered buffer: every rank's shard, padding rows included
-                    out.append(("dp_shard_cp", f"chunk {c} {unit}: {gathers} all-gathers of its shards",
+                    out.append((dp, f"chunk {c} {unit}: {gathers} all-gathers of its shards",
                                 whole(gathers * time_model.ring_all_gather_bytes(padded, n))))
-                    out.append(("dp_shard_cp", f"chunk {c} {unit}: reduce-scatter at the step",
+                    out.append((dp, f"chunk {c} {unit}: reduce-scatter at the step",
                                 whole(time_model.ring_all_gather_bytes(padded, n))))
             elif run.zero == 0:
                 numel = sum(p.numel for p in dense)
-                out.append(("dp_shard_cp", f"chunk {c}: all-reduce of the dense gradients",
+                out.append((dp, f"chunk {c}: all-reduce of the dense gradients",
                             whole(time_model.ring_all_reduce_bytes(numel * e, n))))
             else:
                 raise ValueError(f"zero={run.zero}: the 5D run's formulas cover zero=0 and zero=3")
@@ -174,6 +175,13 @@ def items(run: capstone.Run, where: dict, routing: dict | None = None) -> list[t
             raise ValueError("ep > 1: give the routing (expected_routing) to predict the all-to-alls")
         out += _ep_items(run, z, where, chunks, layers, is_moe, routing)
     return out
+
+
+def data_parallel_dimension(run: capstone.Run) -> str:
+    """The name ``traffic_by_dimension`` gives the data-parallel group (``run.dp_dim``): its one part of
+    more than one rank (``dp_shard`` without context parallelism), or the flattened name."""
+    parts = [p for p in FLATTENED.get(run.dp_dim, (run.dp_dim,)) if getattr(run, p) > 1]
+    return parts[0] if len(parts) == 1 else run.dp_dim
 
 
 def _tp_items(run, z, chunks, n_chunks, params, layers, is_moe) -> list:
@@ -309,23 +317,20 @@ def expected_routing(run: capstone.Run, batches_) -> dict[int, torch.Tensor]:
 
 
 def calculator(run: capstone.Run) -> dict[int, dict[str, float]]:
-    """Chapter 01's calculator's bytes for one step of each pipeline stage (``budget(...).sent``), under the
-    mesh's names: its ``dp`` is the dense parameters' group, ``dp_shard_cp``."""
+    """Chapter 01's calculator's bytes for one step of each pipeline stage (``budget(...).sent``), in its own
+    names (``dp`` is the dense parameters' group: ``parallel_dims.layout_dimension`` maps the mesh's names to
+    these)."""
     shape, e = capstone.model_shape(run), torch.empty((), dtype=run.dtype).element_size()
     precision = memory_budget.Precision(run.precision, e, e, 0, 2 * e, e)  # AdamW's moments, no master copy
-    names = {"dp": "dp_shard_cp", "dp (experts)": "dp_shard_cp (experts)"}
-    out = {}
-    for stage in range(run.pp):
-        sent = memory_budget.budget(shape, run.batch(), run.layout(), precision, stage=stage).sent
-        out[stage] = {names.get(k, k): v for k, v in sent.items()}
-    return out
+    return {stage: memory_budget.budget(shape, run.batch(), run.layout(), precision, stage=stage).sent
+            for stage in range(run.pp)}
 
 
 CALCULATOR_DIFFERENCES = {
     "pp": "the calculator charges an interior stage 2·vpp·m boundaries; a rank sends only across the "
           "boundaries of its chunks whose neighbour is on another rank (the first chunk has no previous one, "
           "the last no next), plus the tied embedding's all-reduce, which the calculator does not model",
-    "dp_shard_cp": "the calculator's ZeRO-3 gathers every parameter for each micro-batch's forward and "
+    "dp": "the calculator's ZeRO-3 gathers every parameter for each micro-batch's forward and "
                    "backward and reduce-scatters each micro-batch (3m passes); here a block is gathered 2m "
                    "times, the root once, and the reduce-scatter waits for the step (2m+1 passes for a "
                    "block, 2 for the root), rows padded to the group; under DDP both are one all-reduce",
@@ -339,8 +344,10 @@ CALCULATOR_DIFFERENCES = {
           "every stage the MoE layers of the busiest, and leaves out the exchange of split sizes; here the "
           "rows that leave and arrive are the router's",
 }
-"""Why chapter 01's calculator and :func:`predicted` differ, by dimension."""
+"""Why chapter 01's calculator and :func:`predicted` differ, by dimension (the calculator's names: ``dp`` is
+the data-parallel group, ``dp_shard_cp`` here)."""
 
 
-__all__ = ["Param", "chunk_params", "rank_chunks", "items", "ep_index", "rank_tokens", "routed_rows",
-           "predicted", "expected_routing", "calculator", "CALCULATOR_DIFFERENCES", "whole"]
+__all__ = ["Param", "chunk_params", "rank_chunks", "items", "data_parallel_dimension", "ep_index",
+           "rank_tokens", "routed_rows", "predicted", "expected_routing", "calculator",
+           "CALCULATOR_DIFFERENCES", "whole"]

@@ -152,7 +152,9 @@ def differences(run: capstone.Run, where: dict) -> list[tuple[str, str, int]]:
 
 def _activation_models(run: capstone.Run):
     e, _ = _sizes(run)
-    return (memory_budget.ActivationModel(kv_expanded=False, norm_stat_bytes=2 * e),
+    # ring attention keeps each rank's own K/V heads; without context parallelism the model's attention
+    # repeats them to the query heads first
+    return (memory_budget.ActivationModel(kv_expanded=run.cp == 1, norm_stat_bytes=2 * e),
             memory_budget.Precision(run.precision, e, e, 0, 2 * e, e))
 
 
@@ -202,7 +204,7 @@ def _ulysses(run: capstone.Run) -> int:
     run's dtype), K and V repeated to the query heads (ring attention keeps the KV heads), and the attention
     output apart from the output projection's input (the second all-to-all copies it; ring attention's output
     is that input). As this machine's CPU kernel saves them (another kernel may save otherwise)."""
-    if run.attention != "ulysses":
+    if run.attention != "ulysses" or run.cp == 1:
         return 0
     cfg, (e, _) = run.model_config(), _sizes(run)
     b, s_cp = run.global_batch // (run.dp * run.m), cfg.seq_len // run.cp
