@@ -43,7 +43,8 @@ CHAPTERS = {
            "helpers.training.sharded_clipping", "helpers.training.mup"),
     "14": ("helpers.training.rl_objectives", "helpers.training.grpo"),
     "15": ("helpers.training.capstone", "helpers.training.capstone_checks",
-           "helpers.training.capstone_faults", "helpers.training.checkpoint",
+           "helpers.training.capstone_faults", "helpers.training.capstone_bytes",
+           "helpers.training.capstone_memory", "helpers.training.checkpoint",
            "helpers.training.checkpoint_pieces", "helpers.training.checkpoint_run",
            "helpers.training.checkpoint_bytes"),
 }

@@ -53,7 +53,8 @@ class SavedActivations:
     activations."""
 
     def __init__(self, chunks):
-        self.params = {p.untyped_storage().data_ptr() for c in chunks for p in c.parameters()}
+        self.parameters = [p for c in chunks for p in c.parameters()]
+        self.params = {p.untyped_storage().data_ptr() for p in self.parameters}
         self.live: dict[int, list] = {}  # storage pointer: [bytes, holders]
         self.bytes = 0
         self._contexts: list = []
@@ -62,6 +63,9 @@ class SavedActivations:
                                    block.register_forward_hook(self._exit))]
 
     def _enter(self, module, args):
+        # the parameters' storages as they are now: ZeRO-3 frees a block's after its forward and allocates
+        # them afresh at each gather (its hook runs before this one), which a set made once would miss
+        self.params = {p.untyped_storage().data_ptr() for p in self.parameters}
         self._contexts.append(saved_tensors_hooks(self._pack, self._unpack))
         self._contexts[-1].__enter__()
 
