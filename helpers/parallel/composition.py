@@ -207,6 +207,17 @@ class ChunksZero3:
         if self.experts:
             self.experts.zero_grad()
 
+    def _optimizers(self) -> list:
+        return [z.optimizer for z in self.zeros] + ([self.experts] if self.experts else [])
+
+    @property
+    def param_groups(self) -> list:  # what chapter 04's LiveMemory reads of an optimizer: all of them, as one
+        return [g for o in self._optimizers() for g in o.param_groups]
+
+    @property
+    def state(self) -> dict:
+        return {p: s for o in self._optimizers() for p, s in o.state.items()}
+
 
 def optimizer(chunks: dict, mesh: Mesh, run: ParallelDims, lr: float):
     """AdamW on this rank's chunks; with ``run.zero == 1`` chapter 04's ZeRO-1 over the data-parallel group

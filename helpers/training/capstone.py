@@ -244,16 +244,15 @@ def train(run: Run, mesh: Mesh, batches_, stage_seconds: dict | None = None, aft
     where it sits, every step's loss (``None`` before the last stage), its parameters every ``run.every``
     steps, and of step :data:`MEASURED_STEP` its traffic by mesh dimension (the ledger cleared before it)
     and each message it sent (dimension, collective, when, bytes), what it held after backward by kind
-    (from live storages; ``None`` for Muon and ZeRO-3) and its pipeline events (padded by
+    (from live storages; ``None`` for Muon) and its pipeline events (padded by
     ``stage_seconds``); and the seconds the other steps took, on the rank's clock. ``after(step, chunks,
     optimizer)``, if given, is called every ``run.every`` steps (a checkpoint's save)."""
     device = run.rank_device()
     chunks = composition.apply(build(run).to(device), mesh, run)
     opt = optimizer(chunks, mesh, run)
     memory = None
-    if run.optimizer == "adamw" and run.zero != 3:  # ZeRO-1's own meter, or one over the plain AdamW
+    if run.optimizer == "adamw":  # ZeRO-1's own meter, or one over the plain AdamW or ZeRO-3's shards
         memory = getattr(opt, "memory", None) or LiveMemory(composition.holder(chunks), opt)
-    # (ZeRO-3's: chapter 04's per-unit meters, which the composition turns off; "held" stays None)
     coordinates = mesh.coordinates(dist.get_rank())
     out = {"rank": dist.get_rank(), "where": {name: coordinates.get(name, 0) for name in MESH_ORDER},
            "losses": [], "params": {}, "events": [], "held": None, "seconds": 0.0}

@@ -1,11 +1,10 @@
 """What one rank of the capstone holds in its measured step, from shapes and the routing (chapter 15).
 
-After backward. Under ``zero=3`` the composition turns chapter 04's per-unit meters off, so
-``capstone.train`` measures nothing: :func:`live_memory` is chapter 04's :class:`~helpers.measure.LiveMemory`
-over the rank's chunks and every optimizer of :class:`~helpers.parallel.composition.ChunksZero3` (each
-chunk's AdamW over its shards, the experts' plain AdamW), read from the storages alive when ``held()`` is
-called (``capstone.train`` calls it where it calls ZeRO-1's meter). :func:`predicted` says what it should
-read, by kind, under ZeRO-3 or DDP (``zero=0``, ``capstone.train``'s own meter), from the model's shapes
+After backward. ``capstone.train`` reads it from the storages alive (chapter 04's
+:class:`~helpers.measure.LiveMemory`, under ZeRO-3 over the rank's chunks and every optimizer of
+:class:`~helpers.parallel.composition.ChunksZero3`: each chunk's AdamW over its shards, the experts' plain
+AdamW). :func:`predicted` says what it should read, by kind, under ZeRO-3 or DDP (``zero=0``,
+``capstone.train``'s own meter), from the model's shapes
 (:func:`helpers.training.capstone_bytes.chunk_params`); :func:`differences` gets there from chapter 01's
 calculator for the rank's stage (:func:`calculator`), each difference named and computed from shapes:
 
@@ -32,37 +31,10 @@ import math
 import torch
 
 from helpers.cost import memory_budget, pipeline_schedules
-from helpers.measure import LiveMemory
-from helpers.parallel import composition
 from helpers.training import capstone, capstone_bytes
 from helpers.training.capstone_bytes import chunk_params, rank_chunks
 
 KINDS = ("parameters", "gradients", "optimizer states")
-
-
-class _Optimizers:
-    """Several optimizers seen as one by :class:`LiveMemory`: their parameter groups and their state, read
-    when asked (the state appears at the first step)."""
-
-    def __init__(self, optimizers):
-        self.optimizers = optimizers
-
-    @property
-    def param_groups(self):
-        return [g for o in self.optimizers for g in o.param_groups]
-
-    @property
-    def state(self):
-        return {p: s for o in self.optimizers for p, s in o.state.items()}
-
-
-def live_memory(chunks: dict, opt) -> LiveMemory:
-    """Chapter 04's meter over a rank's chunks and its :class:`composition.ChunksZero3` optimizer."""
-    if not isinstance(opt, composition.ChunksZero3):
-        raise ValueError(f"live_memory measures ZeRO-3's ChunksZero3, not {type(opt).__name__}: ZeRO-1 and "
-                         f"plain AdamW have their own meter (capstone.train)")
-    optimizers = [z.optimizer for z in opt.zeros] + ([opt.experts] if opt.experts else [])
-    return LiveMemory(composition.holder(chunks), _Optimizers(optimizers))
 
 
 def _shapes(run: capstone.Run, where: dict) -> dict:
@@ -283,5 +255,5 @@ def _check(run: capstone.Run) -> None:
                          f"of 2 ranks or more")
 
 
-__all__ = ["KINDS", "live_memory", "predicted", "calculator", "differences", "layer_saved", "activation_peak",
+__all__ = ["KINDS", "predicted", "calculator", "differences", "layer_saved", "activation_peak",
            "activation_differences"]
