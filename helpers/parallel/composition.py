@@ -45,6 +45,7 @@ from helpers.parallel.mesh import MESH_ORDER, Mesh
 from helpers.parallel.moe import MoEGPT
 from helpers.parallel.parallel_dims import ParallelDims, make_schedule
 from helpers.reference import named_grads, named_params, train_steps
+from helpers.training import mixed_precision
 
 
 def _rank(mesh: Mesh, name: str) -> int:
@@ -86,6 +87,8 @@ def apply(model, mesh: Mesh, run: ParallelDims) -> dict:
             context_parallel.parallelize(chunk, layout(model.cfg, mesh, run), mesh.group("cp"), run.attention)
         if isinstance(model, MoEGPT):
             expert_parallel.parallelize(chunk, mesh.group(run.dp_dim))
+        if run.precision == "bf16":  # bf16 copies for forward and backward; the chunk's own stay fp32
+            chunk._bf16 = mixed_precision.Bf16Compute(chunk)
     return chunks
 
 
@@ -112,6 +115,9 @@ def forward_backward(chunks: dict, mesh: Mesh, run: ParallelDims, x: torch.Tenso
     only a ``measured`` step has its saved activations measured)."""
     cfg = next(iter(chunks.values())).cfg
     xs, ys, positions = my_batch(x, y, cfg, mesh, run)
+    for chunk in chunks.values():  # bf16: the pipeline receives in the dtype of the chunks' parameters
+        if getattr(chunk, "_bf16", None) is not None:
+            chunk._bf16.to_compute()
     if mesh.size("pp") == 1:
         (chunk,) = chunks.values()
         loss, events = chunk(xs, ys, positions=positions)[1], []
@@ -163,6 +169,10 @@ def check(run: ParallelDims) -> None:
                          "(zero=3); ZeRO-2's reduce-scatter in backward would cut each gradient before "
                          "composition.reduce_gradients completes the tensor-parallel ones, and deferred to "
                          "the step it is ZeRO-1")
+    if run.precision == "bf16" and run.schedule == "zb-h1" and run.pp > 1:
+        raise ValueError("precision='bf16' with schedule='zb-h1': the zero-bubble weight step sets each "
+                         "gradient itself (pipeline_parallel.backward_weight), so the hooks that add the bf16 "
+                         "gradients into the fp32 masters' never run")
     if run.zero == 3 and run.schedule == "zb-h1" and run.pp > 1:
         raise ValueError("zero=3 with schedule='zb-h1': the zero-bubble weight step sets each gradient "
                          "itself (pipeline_parallel.backward_weight), so ZeRO-3's post-accumulate hooks "
@@ -212,6 +222,13 @@ def optimizer(chunks: dict, mesh: Mesh, run: ParallelDims, lr: float):
     """AdamW on this rank's chunks; with ``run.zero == 1`` chapter 04's ZeRO-1 over the data-parallel group
     (it reduce-scatters the gradients, steps its rows, all-gathers the parameters); with ``run.zero == 3``
     chapter 04's ZeRO-3 on each chunk (:class:`ChunksZero3`), which frees the full parameters at once."""
+    computes = [chunk._bf16 for chunk in chunks.values() if getattr(chunk, "_bf16", None) is not None]
+    if computes:  # the same optimizers over the fp32 masters, each step rounded into the bf16 copies
+        return mixed_precision.MastersStep(_optimizer(chunks, mesh, run, lr), computes)
+    return _optimizer(chunks, mesh, run, lr)
+
+
+def _optimizer(chunks: dict, mesh: Mesh, run: ParallelDims, lr: float):
     module = holder(chunks)
     if run.zero == 1 and mesh.size(run.dp_dim) > 1:
         if any(expert_parallel.is_expert(name) for name, _ in module.named_parameters()):

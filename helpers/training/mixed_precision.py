@@ -111,6 +111,78 @@ def accumulated_step(model: torch.nn.Module, optimizer: MasterWeightsAdamW, micr
     return total, used
 
 
+class Bf16Compute:
+    """A module computing in bf16 while its parameters stay fp32 masters: FSDP2's
+    ``MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)`` without the sharding, with
+    Megatron-LM's fp32 ``main_grad`` accumulation.
+
+    Each fp32 parameter of ``module`` (the master) gets a bf16 copy (``compute[master]``, rounded to nearest).
+    Around each forward the module's parameter slots hold the bf16 copies (:meth:`to_compute`, a forward
+    pre-hook), so that forward and the backward autograd records read bf16 and every activation is bf16; after
+    it they hold the masters again (:meth:`to_masters`, a forward hook), as FSDP2 registers its unsharded
+    bf16 parameters on the module for forward and its sharded fp32 ones after. Each bf16 gradient backward
+    produces is added into its master's fp32 ``.grad`` (exactly: bf16 converts to fp32 without rounding) and
+    freed, so micro-batches accumulate in fp32, and whatever reduces the module's gradients afterwards (the
+    composition's tensor-parallel, pipeline, data- and expert-parallel sums) finds fp32 masters holding fp32
+    gradients. An optimizer of the masters steps them; :meth:`write_back` rounds them into the copies.
+    """
+
+    def __init__(self, module: torch.nn.Module):
+        self.slots = [(m, name, p) for m in module.modules() for name, p in m._parameters.items()
+                      if p is not None]
+        self.masters = list({id(p): p for _, _, p in self.slots}.values())  # a tied weight once
+        wrong = sorted({str(p.dtype) for p in self.masters if p.dtype != torch.float32})
+        if wrong:
+            raise ValueError(f"Bf16Compute keeps fp32 masters: the module's parameters must be float32, not "
+                             f"{', '.join(wrong)}")
+        self.compute = {}
+        for master in self.masters:
+            copy = torch.nn.Parameter(master.detach().to(torch.bfloat16), requires_grad=master.requires_grad)
+            copy.__dict__.update(master.__dict__)  # marks such as ``sequence_parallel``
+            copy.register_post_accumulate_grad_hook(lambda p, master=master: self._accumulate(p, master))
+            self.compute[master] = copy
+        module.register_forward_pre_hook(lambda *_: self.to_compute())
+        module.register_forward_hook(lambda *_: self.to_masters())
+
+    @staticmethod
+    def _accumulate(p: torch.nn.Parameter, master: torch.nn.Parameter) -> None:
+        master.grad = p.grad.float() if master.grad is None else master.grad.add_(p.grad)
+        p.grad = None
+
+    def to_compute(self) -> None:
+        for module, name, master in self.slots:
+            module._parameters[name] = self.compute[master]
+
+    def to_masters(self) -> None:
+        for module, name, master in self.slots:
+            module._parameters[name] = master
+
+    @torch.no_grad()
+    def write_back(self) -> None:
+        """Each master, rounded to bf16, into its copy: what the next forward reads."""
+        for master, copy in self.compute.items():
+            copy.copy_(master)
+
+
+class MastersStep:
+    """``optimizer`` (of the fp32 masters of the :class:`Bf16Compute` in ``computes``; AdamW's moments fp32
+    too), each step followed by every master's rounding into its bf16 copy; the rest is ``optimizer``'s."""
+
+    def __init__(self, optimizer, computes: list[Bf16Compute]):
+        self.optimizer, self.computes = optimizer, computes
+
+    def step(self) -> None:
+        self.optimizer.step()
+        for compute in self.computes:
+            compute.write_back()
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad()
+
+    def __getattr__(self, name):
+        return getattr(self.optimizer, name)
+
+
 # --------------------------------------------------------------------------------------------- fp16
 
 
@@ -220,5 +292,5 @@ def sharded_fp16_step(model: torch.nn.Module, shard: torch.nn.Parameter, optimiz
     return stepped
 
 
-__all__ = ["MasterWeightsAdamW", "accumulated_step", "LossScaler", "fp16_loss",
+__all__ = ["MasterWeightsAdamW", "accumulated_step", "Bf16Compute", "MastersStep", "LossScaler", "fp16_loss",
            "flat_shard", "sharded_fp16_step"]
