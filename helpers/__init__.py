@@ -42,7 +42,8 @@ CHAPTERS = {
     "13": ("helpers.training.stability", "helpers.training.stability_run",
            "helpers.training.sharded_clipping", "helpers.training.mup"),
     "14": ("helpers.training.rl_objectives", "helpers.training.grpo"),
-    "15": ("helpers.training.capstone", "helpers.training.capstone_checks", "helpers.training.checkpoint"),
+    "15": ("helpers.training.capstone", "helpers.training.capstone_checks", "helpers.training.checkpoint",
+           "helpers.training.precision_bound"),
 }
 
 # what every chapter uses and none teaches: ranks, checks, what a page shows, the reference model and data

@@ -171,8 +171,8 @@ def check(run: ParallelDims) -> None:
                          "the step it is ZeRO-1")
     if run.precision == "bf16" and run.schedule == "zb-h1" and run.pp > 1:
         raise ValueError("precision='bf16' with schedule='zb-h1': the zero-bubble weight step sets each "
-                         "gradient itself (pipeline_parallel.backward_weight), so the hooks that add the bf16 "
-                         "gradients into the fp32 masters' never run")
+                         "gradient itself (pipeline_parallel.backward_weight), so the hooks that add the "
+                         "bf16 gradients into the fp32 masters' never run")
     if run.zero == 3 and run.schedule == "zb-h1" and run.pp > 1:
         raise ValueError("zero=3 with schedule='zb-h1': the zero-bubble weight step sets each gradient "
                          "itself (pipeline_parallel.backward_weight), so ZeRO-3's post-accumulate hooks "

@@ -162,4 +162,5 @@ class ParallelDims(Degrees):
         return dataclasses.replace(self, **changes)
 
 
-__all__ = ["SCHEDULES", "PRECISIONS", "MASTERS", "CHOICES", "layout_dimension", "make_schedule", "ParallelDims"]
+__all__ = ["SCHEDULES", "PRECISIONS", "MASTERS", "CHOICES", "layout_dimension", "make_schedule",
+           "ParallelDims"]

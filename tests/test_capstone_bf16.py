@@ -1,0 +1,217 @@
+"""The 5D capstone run in mixed precision (issue 38, item 2): the run of ``tests/test_capstone_5d.py`` on 16
+ranks with ``precision="bf16"`` (bf16 parameters and activations, fp32 masters stepped by AdamW in fp32,
+gradients reduced in fp32: ``helpers.training.mixed_precision.Bf16Compute``), against the fp64 single process.
+
+Checks, in this order, so that a planted fault fails its own first:
+
+- dtypes, from the tensors themselves: every parameter a module's forward reads is bf16 (a global forward
+  hook); the activations the ranks exchange (sequence-parallel gathers, ring attention's blocks, pipeline
+  sends, expert all-to-alls) are bf16 and every all-reduce (gradients over the data-parallel group, over tp
+  and between the tied embedding's stages; the vocabulary-parallel loss's sums) is fp32, as the ledger booked
+  the buffers passed; the masters are fp32 and hold bits their bf16 copies lack;
+- every step's loss within ``precision_bound``'s bound of the fp64 one process's (derived there from
+  ``u = 2^-8``, evaluated on the fp64 process, never on this run).
+
+ZeRO-3 is refused in bf16 (``capstone.validate`` says why): this run reduces its dense gradients by DDP.
+Three faults are planted and replayed: the data-parallel all-reduce on a bf16 wire (fails the dtype
+check), the masters rounded to bf16 after each step, i.e. no fp32 masters (fails the masters' check; its loss
+gap stays inside the bound over 10 steps, measured: bf16's rounding of steps of ``lr = 1e-2`` is too small
+to show so soon), and the masters never written into the bf16 copies (the model stops learning: the gap
+exceeds the bound from step 1).
+"""
+
+import time
+
+import ipyparallel as ipp
+import pytest
+import torch
+
+from helpers.training import capstone, capstone_checks, precision_bound
+
+FIVE_D = dict(pp=2, dp_shard=2, cp=2, tp=2, ep=4, n_experts=8, top_k=2, moe_every=2, n_layers=4,
+              schedule="interleaved", vpp=2, m=2, zero=0, sequence_parallel=True, attention="ring",
+              precision="bf16", steps=10, every=5)
+
+
+def five_d(**changes) -> capstone.Run:
+    return capstone.chapter_run(**{**FIVE_D, **changes})
+
+
+@pytest.fixture(scope="module")
+def sixteen():
+    from helpers.ranks import start_ranks
+
+    started = time.perf_counter()
+    r = start_ranks(16, timeout_s=120, activate=False)
+    print(f"16 ranks started in {time.perf_counter() - started:.1f} s")
+    yield r
+    r.stop()
+
+
+@pytest.fixture(scope="module")
+def fp64():
+    """The fp64 single process of the run, and the bound at each of its steps (both independent of the bf16
+    code: ``torch.optim.AdamW`` on the fp64 model)."""
+    run = five_d(precision="fp64")
+    want = capstone.reference_run(run, capstone.data(run))
+    bound = precision_bound.bounds(capstone.build(run), capstone.data(run), run.lr)
+    return want, bound
+
+
+INVALID = {
+    "ZeRO-3": (dict(zero=3), r"precision='bf16' with zero=3: chapter 04's ZeRO-3"),
+    "Muon": (dict(optimizer="muon"), r"precision='bf16' with optimizer='muon'"),
+    "ZB-H1": (dict(schedule="zb-h1", vpp=1), r"precision='bf16' with schedule='zb-h1'"),
+    "a precision the book lacks": (dict(precision="fp16"), r"precision='fp16' is not one of"),
+}
+
+
+@pytest.mark.parametrize("change, message", INVALID.values(), ids=INVALID.keys())
+def test_an_impossible_bf16_run_is_refused(change, message):
+    with pytest.raises(ValueError, match=message):
+        five_d(**change)
+
+
+def test_adams_step_bound_holds_and_is_reached():
+    """``U_k`` against torch's Adam (no eps, no decay) on random gradients: never above; at step 1 exactly 1
+    (the step is lr · sign(g)); a gradient that grows reaches it within 1e-9."""
+    assert precision_bound.adam_step_bound(1) == 1.0
+    torch.manual_seed(0)
+    for k in range(1, 11):
+        grads = torch.randn(k, 1000, dtype=torch.float64) * torch.rand(k, 1, dtype=torch.float64) * 10
+        w = torch.tensor([0.1 * 0.9 ** (k - j) for j in range(1, k + 1)], dtype=torch.float64)
+        v = torch.tensor([0.001 * 0.999 ** (k - j) for j in range(1, k + 1)], dtype=torch.float64)
+        worst = (w / v)[:, None] * torch.ones(1, 1000, dtype=torch.float64)  # g_j ∝ w_j / v_j: the equality
+        for g_seq in (grads, worst):
+            p = torch.zeros(1000, dtype=torch.float64, requires_grad=True)
+            opt = torch.optim.Adam([p], lr=1.0, eps=0.0)
+            for g in g_seq:
+                before = p.detach().clone()
+                p.grad = g.clone()
+                opt.step()
+            step = (p.detach() - before).abs().max().item()
+            assert step <= precision_bound.adam_step_bound(k) + 1e-12, (k, step)
+        assert step == pytest.approx(precision_bound.adam_step_bound(k), abs=1e-9), k
+
+
+@ipp.interactive  # sent by value: the engines cannot import this test module
+def _train(run, plant=None):
+    import torch
+    from torch import nn
+
+    from helpers.parallel import comms, data_parallel, expert_parallel
+    from helpers.parallel.ledger import LEDGER
+    from helpers.training import capstone, mixed_precision
+
+    saved, read, booked = [], set(), []
+
+    def patch(owner, name, new):
+        saved.append((owner, name, getattr(owner, name)))
+        setattr(owner, name, new)
+
+    def reading(module, args, out):  # the dtypes of the parameters each forward reads
+        read.update(str(p.dtype) for p in module.parameters(recurse=False))
+    clear = LEDGER.clear
+
+    def keeping(*args, **kwargs):  # every block's bookings, before the loop clears them
+        booked.extend((m.collective, m.dtype, m.group_ranks) for m in LEDGER.messages
+                      if m.direction == "send")
+        clear(*args, **kwargs)
+    patch(LEDGER, "clear", keeping)
+    if plant == "bf16 reduction":  # DDP's all-reduce on a bf16 wire
+        def bf16_average(buckets, group=None):
+            world_size = torch.distributed.get_world_size(group)
+            for bucket in buckets:
+                flat = data_parallel._flatten([p.grad for p in bucket])
+                comms.all_reduce(flat, group, wire_dtype=torch.bfloat16)
+                data_parallel._unflatten_into(flat / world_size, bucket)
+        patch(data_parallel, "bucketed_average", bf16_average)
+        patch(expert_parallel, "bucketed_average", bf16_average)  # finish_gradients' (every MoE GPT chunk)
+    if plant == "no fp32 masters":  # the masters rounded to bf16 after each step: AdamW on bf16 values
+        step = mixed_precision.MastersStep.step
+
+        def rounded(self):
+            step(self)
+            with torch.no_grad():
+                for compute in self.computes:
+                    for master in compute.masters:
+                        master.copy_(master.bfloat16())
+        patch(mixed_precision.MastersStep, "step", rounded)
+    if plant == "no write-back":
+        patch(mixed_precision.Bf16Compute, "write_back", lambda self: None)
+    hook = nn.modules.module.register_module_forward_hook(reading)
+    try:
+        out = capstone.train(run, capstone.make_mesh(run), capstone.data(run))
+    finally:
+        hook.remove()
+        for owner, name, old in reversed(saved):
+            if owner is LEDGER:
+                del LEDGER.clear  # the instance's patch: the class's method again
+            else:
+                setattr(owner, name, old)
+    out["read"], out["booked"] = sorted(read), booked
+    return out
+
+
+ACTIVATIONS = ("all_gather", "reduce_scatter", "ring attention", "pipeline", "moe_dispatch", "moe_combine")
+"""What the 5D run exchanges of its activations (and their gradients): sequence parallelism's gathers and
+scatters, ring attention's blocks, the pipeline's sends, the experts' all-to-alls (not ``moe_counts``, the
+number of rows each rank sends, an integer)."""
+
+
+def check(results, run, want, bound) -> list[float]:
+    """The checks of the module's docstring, in its order; returns each step's gap."""
+    mesh = run.mesh(16)
+    for r in results:
+        assert r["read"] == ["torch.bfloat16"], \
+            f"dtype: rank {r['rank']}'s forward read parameters of {r['read']}"
+    for r in results:
+        reduced = {d for c, d, _ in r["booked"] if c == "all_reduce"}
+        assert reduced == {"torch.float32"}, \
+            f"dtype: rank {r['rank']} all-reduced buffers of {sorted(reduced)}"
+        over = {mesh.dimension_of(g) for c, _, g in r["booked"] if c == "all_reduce"}
+        assert {run.dp_dim, "tp"} <= over, f"dtype: rank {r['rank']} all-reduced over {over} only"
+        moved = {d for c, d, _ in r["booked"] if c.startswith(ACTIVATIONS)}
+        assert moved == {"torch.bfloat16"}, \
+            f"dtype: rank {r['rank']} exchanged activations of {sorted(moved)}"
+    for r in results:
+        masters = r["params"][run.steps]
+        assert {str(t.dtype) for t in masters.values()} == {"torch.float32"}, "dtype: masters not fp32"
+        finer = sum(int((t != t.bfloat16().float()).sum()) for t in masters.values())
+        assert finer > 0, f"masters: rank {r['rank']}'s fp32 masters hold nothing a bf16 copy could not"
+    got = capstone_checks.losses(results)
+    gaps = [abs(g - w) for g, w in zip(got, want["losses"])]
+    for step, (gap, b) in enumerate(zip(gaps, bound)):
+        assert gap <= b["bound"], \
+            f"bound: step {step}'s loss is {gap:.3g} from one process's, over {b['bound']:.3g}"
+    return gaps
+
+
+def test_the_5d_run_in_bf16_stays_within_the_bound(sixteen, fp64):
+    run = five_d()
+    want, bound = fp64
+    started = time.perf_counter()
+    results = sixteen.apply(_train, run)
+    wall = time.perf_counter() - started
+    per_step = max(r["seconds"] for r in results) / (run.steps - 1)
+    print(f"5D run in bf16: {wall:.1f} s for {run.steps} steps on 16 ranks, seconds per step {per_step:.2f}")
+    gaps = check(results, run, want, bound)
+    for step, (gap, b) in enumerate(zip(gaps, bound)):
+        print(f"step {step}: loss {want['losses'][step]:.4f}, gap {gap:.2e}, bound {b['bound']:.3f} "
+              f"(forward {b['forward']:.3f}, drift {b['drift']:.3f})")
+    assert {r["where"]["cp"] for r in results} == {0, 1} and len(results) == 16
+
+
+PLANTED = {"bf16 reduction": r"^dtype: rank \d+ all-reduced buffers of \['torch.bfloat16'",
+           "no fp32 masters": r"^masters: ", "no write-back": r"^bound: step 1's loss"}
+
+
+@pytest.mark.parametrize("plant, message", PLANTED.items(), ids=PLANTED.keys())
+def test_a_planted_precision_fault_fails(sixteen, fp64, plant, message):
+    run = five_d()
+    want, bound = fp64
+    results = sixteen.apply(_train, run, plant)
+    with pytest.raises(AssertionError, match=message):
+        check(results, run, want, bound)
+    got = capstone_checks.losses(results)
+    print(plant, "gaps", [f"{abs(g - w):.2e}" for g, w in zip(got, want["losses"])])
