@@ -12,7 +12,9 @@ Checks, in this order, so that a planted fault fails its own first:
 - every step's loss within ``precision_bound``'s bound of the fp64 one process's (derived there from
   ``u = 2^-8``, evaluated on the fp64 process, never on this run).
 
-ZeRO-3 is refused in bf16 (``capstone.validate`` says why): this run reduces its dense gradients by DDP.
+The dense parameters go through ZeRO-3 (``mixed_precision.Zero3Masters``: fp32 shards, bf16 all-gathers,
+fp32 reduce-scatters) with ring attention, or through DDP with Ulysses; the experts are whole on each rank,
+fp32 masters beside bf16 copies.
 Three faults are planted and replayed: the data-parallel all-reduce on a bf16 wire (fails the dtype
 check), the masters rounded to bf16 after each step, i.e. no fp32 masters (fails the masters' check; its loss
 gap stays inside the bound over 10 steps, measured: bf16's rounding of steps of ``lr = 1e-2`` is too small
@@ -29,7 +31,7 @@ import torch
 from helpers.training import capstone, capstone_checks, precision_bound
 
 FIVE_D = dict(pp=2, dp_shard=2, cp=2, tp=2, ep=4, n_experts=8, top_k=2, moe_every=2, n_layers=4,
-              schedule="interleaved", vpp=2, m=2, zero=0, sequence_parallel=True, attention="ring",
+              schedule="interleaved", vpp=2, m=2, zero=3, sequence_parallel=True, attention="ring",
               precision="bf16", steps=10, every=5)
 
 
@@ -59,7 +61,6 @@ def fp64():
 
 
 INVALID = {
-    "ZeRO-3": (dict(zero=3), r"precision='bf16' with zero=3: chapter 04's ZeRO-3"),
     "Muon": (dict(optimizer="muon"), r"precision='bf16' with optimizer='muon'"),
     "ZB-H1": (dict(schedule="zb-h1", vpp=1), r"precision='bf16' with schedule='zb-h1'"),
     "a precision the book lacks": (dict(precision="fp16"), r"precision='fp16' is not one of"),
@@ -99,7 +100,7 @@ def _train(run, plant=None):
     import torch
     from torch import nn
 
-    from helpers.parallel import comms, data_parallel, expert_parallel
+    from helpers.parallel import comms, composition, data_parallel, expert_parallel, zero
     from helpers.parallel.ledger import LEDGER
     from helpers.training import capstone, mixed_precision
 
@@ -118,6 +119,14 @@ def _train(run, plant=None):
                       if m.direction == "send")
         clear(*args, **kwargs)
     patch(LEDGER, "clear", keeping)
+    params = composition.params
+
+    def unbooked(chunks):  # the parameters gathered for the checks (in fp32, under ZeRO-3): not the run's
+        held = len(LEDGER.messages)
+        out = params(chunks)
+        del LEDGER.messages[held:]
+        return out
+    patch(composition, "params", unbooked)
     if plant == "bf16 reduction":  # DDP's all-reduce on a bf16 wire
         def bf16_average(buckets, group=None):
             world_size = torch.distributed.get_world_size(group)
@@ -139,6 +148,16 @@ def _train(run, plant=None):
         patch(mixed_precision.MastersStep, "step", rounded)
     if plant == "no write-back":
         patch(mixed_precision.Bf16Compute, "write_back", lambda self: None)
+    if plant == "bf16 reduce-scatter":  # ZeRO-3's gradients cast to bf16 for the wire
+        scatter = zero.reduce_scatter_flat
+        patch(zero, "reduce_scatter_flat", lambda grads, group=None: scatter([g.bfloat16() for g in grads],
+                                                                             group).float())
+    apply, made = composition.apply, []
+
+    def keeping_chunks(*args, **kwargs):
+        made.append(apply(*args, **kwargs))
+        return made[-1]
+    patch(composition, "apply", keeping_chunks)
     hook = nn.modules.module.register_module_forward_hook(reading)
     try:
         out = capstone.train(run, capstone.make_mesh(run), capstone.data(run))
@@ -150,35 +169,57 @@ def _train(run, plant=None):
             else:
                 setattr(owner, name, old)
     out["read"], out["booked"] = sorted(read), booked
+    out["stored"] = {"dense": 0}  # bytes of storage of the dense parameters after the run (ZeRO-3's frees)
+    for chunk in made[-1].values():
+        for name, master in composition.Dense(chunk).named_parameters():
+            out["stored"]["dense"] += 1
+            for kind, t in (("masters", master), ("bf16 copies", chunk._bf16.compute[master])):
+                out["stored"][kind] = out["stored"].get(kind, 0) + t.untyped_storage().nbytes()
     return out
 
 
-ACTIVATIONS = ("all_gather", "reduce_scatter", "ring attention", "pipeline", "moe_dispatch", "moe_combine")
-"""What the 5D run exchanges of its activations (and their gradients): sequence parallelism's gathers and
-scatters, ring attention's blocks, the pipeline's sends, the experts' all-to-alls (not ``moe_counts``, the
-number of rows each rank sends, an integer)."""
+def kinds(booked, run) -> dict[str, set]:
+    """The dtypes of a rank's bookings by what they move. Reduced: every all-reduce (the gradients over the
+    data-parallel group (DDP) and over tp (sequence parallelism's), the tied embedding's between the stages,
+    the vocabulary-parallel loss's sums) and the data-parallel group's reduce-scatters (ZeRO-3's). Exchanged:
+    the rest, but the experts' row counts (``moe_counts``, integers): sequence parallelism's gathers and
+    scatters over tp, ZeRO-3's parameter gathers, ring attention's blocks, the pipeline's sends, the experts'
+    all-to-alls."""
+    mesh = run.mesh(16)
+    out = {"reduced": set(), "exchanged": set(), "reduced over": set()}
+    for collective, dtype, ranks in booked:
+        dimension = mesh.dimension_of(ranks) if ranks else None
+        if collective == "all_reduce" or (collective == "reduce_scatter" and dimension == run.dp_dim):
+            out["reduced"].add(dtype)
+            out["reduced over"].add(dimension)
+        elif collective != "moe_counts":
+            out["exchanged"].add(dtype)
+    return out
 
 
 def check(results, run, want, bound) -> list[float]:
     """The checks of the module's docstring, in its order; returns each step's gap."""
-    mesh = run.mesh(16)
     for r in results:
         assert r["read"] == ["torch.bfloat16"], \
             f"dtype: rank {r['rank']}'s forward read parameters of {r['read']}"
     for r in results:
-        reduced = {d for c, d, _ in r["booked"] if c == "all_reduce"}
-        assert reduced == {"torch.float32"}, \
-            f"dtype: rank {r['rank']} all-reduced buffers of {sorted(reduced)}"
-        over = {mesh.dimension_of(g) for c, _, g in r["booked"] if c == "all_reduce"}
-        assert {run.dp_dim, "tp"} <= over, f"dtype: rank {r['rank']} all-reduced over {over} only"
-        moved = {d for c, d, _ in r["booked"] if c.startswith(ACTIVATIONS)}
-        assert moved == {"torch.bfloat16"}, \
-            f"dtype: rank {r['rank']} exchanged activations of {sorted(moved)}"
+        k = kinds(r["booked"], run)
+        assert k["reduced"] == {"torch.float32"}, \
+            f"dtype: rank {r['rank']} reduced gradients in {sorted(k['reduced'])}"
+        assert {run.dp_dim, "tp"} <= k["reduced over"], \
+            f"dtype: rank {r['rank']} reduced over {k['reduced over']} only"
+        assert k["exchanged"] == {"torch.bfloat16"}, \
+            f"dtype: rank {r['rank']} exchanged activations or parameters in {sorted(k['exchanged'])}"
     for r in results:
         masters = r["params"][run.steps]
         assert {str(t.dtype) for t in masters.values()} == {"torch.float32"}, "dtype: masters not fp32"
         finer = sum(int((t != t.bfloat16().float()).sum()) for t in masters.values())
         assert finer > 0, f"masters: rank {r['rank']}'s fp32 masters hold nothing a bf16 copy could not"
+    for r in results:  # ZeRO-3: no full fp32 master (4 bytes: a zero expanded to the gradient's shape), no
+        if run.zero == 3:  # gathered bf16 copy after the step; DDP: every one of both, whole
+            stored = r["stored"]
+            assert stored["bf16 copies"] == 0 and stored["masters"] <= 4 * stored["dense"], \
+                f"zero3: rank {r['rank']} holds {r['stored']} bytes of full dense parameters after the step"
     got = capstone_checks.losses(results)
     gaps = [abs(g - w) for g, w in zip(got, want["losses"])]
     for step, (gap, b) in enumerate(zip(gaps, bound)):
@@ -187,14 +228,18 @@ def check(results, run, want, bound) -> list[float]:
     return gaps
 
 
-def test_the_5d_run_in_bf16_stays_within_the_bound(sixteen, fp64):
-    run = five_d()
+@pytest.mark.parametrize("attention, zero", [("ring", 3), ("ulysses", 0)])
+def test_the_5d_run_in_bf16_stays_within_the_bound(sixteen, fp64, attention, zero):
+    """The dense parameters sharded by ZeRO-3 (fp32 shards, bf16 gathers, fp32 reduce-scatters) with ring
+    attention, or reduced by DDP (fp32 all-reduces of the masters' gradients) with Ulysses."""
+    run = five_d(attention=attention, zero=zero)
     want, bound = fp64
     started = time.perf_counter()
     results = sixteen.apply(_train, run)
     wall = time.perf_counter() - started
     per_step = max(r["seconds"] for r in results) / (run.steps - 1)
-    print(f"5D run in bf16: {wall:.1f} s for {run.steps} steps on 16 ranks, seconds per step {per_step:.2f}")
+    print(f"5D run in bf16 ({attention}, zero={zero}): {wall:.1f} s for {run.steps} steps on 16 ranks, "
+          f"seconds per step {per_step:.2f}")
     gaps = check(results, run, want, bound)
     for step, (gap, b) in enumerate(zip(gaps, bound)):
         print(f"step {step}: loss {want['losses'][step]:.4f}, gap {gap:.2e}, bound {b['bound']:.3f} "
@@ -202,13 +247,15 @@ def test_the_5d_run_in_bf16_stays_within_the_bound(sixteen, fp64):
     assert {r["where"]["cp"] for r in results} == {0, 1} and len(results) == 16
 
 
-PLANTED = {"bf16 reduction": r"^dtype: rank \d+ all-reduced buffers of \['torch.bfloat16'",
-           "no fp32 masters": r"^masters: ", "no write-back": r"^bound: step 1's loss"}
+PLANTED = {"bf16 reduction": r"^dtype: rank \d+ reduced gradients in \['torch.bfloat16'",
+           "no fp32 masters": r"^masters: ", "no write-back": r"^bound: step 1's loss",
+           "bf16 reduce-scatter": r"^dtype: rank \d+ reduced gradients in \['torch.bfloat16'"}
 
 
 @pytest.mark.parametrize("plant, message", PLANTED.items(), ids=PLANTED.keys())
 def test_a_planted_precision_fault_fails(sixteen, fp64, plant, message):
-    run = five_d()
+    """On the DDP run (zero=0), whose all-reduce and write-back the first three change; the last on ZeRO-3."""
+    run = five_d(zero=3 if plant == "bf16 reduce-scatter" else 0)
     want, bound = fp64
     results = sixteen.apply(_train, run, plant)
     with pytest.raises(AssertionError, match=message):

@@ -238,8 +238,15 @@ def _optimizer(chunks: dict, mesh: Mesh, run: ParallelDims, lr: float):
         return zero.ShardedAdamW(module, 1, mesh.group(run.dp_dim), lr=lr)
     if run.zero == 3 and mesh.size(run.dp_dim) > 1:
         for chunk in chunks.values():  # each chunk keeps its ZeRO-3, which can gather it (params)
-            chunk._zero3 = zero.Zero3ReduceAtStep(Dense(chunk), [Dense(b) for b in chunk.blocks.values()],
-                                                  mesh.group(run.dp_dim), lr=lr)
+            if getattr(chunk, "_bf16", None) is not None:  # fp32 shards, bf16 copies gathered
+                bf16 = chunk._bf16
+                chunk._zero3 = mixed_precision.Zero3Masters(
+                    mixed_precision.Copies(Dense(chunk), bf16),
+                    [mixed_precision.Copies(Dense(b), bf16) for b in chunk.blocks.values()],
+                    mesh.group(run.dp_dim), lr=lr)
+            else:
+                chunk._zero3 = zero.Zero3ReduceAtStep(Dense(chunk), [Dense(b) for b in chunk.blocks.values()],
+                                                      mesh.group(run.dp_dim), lr=lr)
             chunk._zero3.memory.recording = False  # chapter 04 measures memory; a training loop need not
         experts = [p for name, p in module.named_parameters() if expert_parallel.is_expert(name)]
         return ChunksZero3([chunk._zero3 for chunk in chunks.values()], experts, lr)
@@ -280,7 +287,9 @@ def params(chunks: dict) -> dict[str, torch.Tensor]:
     for chunk in chunks.values():
         if getattr(chunk, "_zero3", None) is not None:
             full = chunk._zero3.full_parameters()
-            out.update({name: full.get(p, p).detach().cpu().clone() for name, p in chunk.named_parameters()})
+            copy = chunk._bf16.compute if getattr(chunk, "_bf16", None) is not None else {}  # bf16: by copy
+            out.update({name: full.get(copy.get(p, p), p).detach().cpu().clone()
+                        for name, p in chunk.named_parameters()})
         else:
             out.update({name: t.cpu() for name, t in named_params(chunk).items()})
     return out

@@ -146,17 +146,12 @@ def validate(run: Run, world_size: int | None = None) -> None:
 
 
 def _validate_precision(run: Run) -> None:
-    """bf16 (chapter 09's mixed precision) runs AdamW with DDP or ZeRO-1 over its fp32 masters."""
+    """bf16 (chapter 09's mixed precision) steps its fp32 masters (or ZeRO-3's fp32 shards) with AdamW."""
     if run.precision != "bf16":
         return
     if run.optimizer != "adamw":
         raise ValueError(f"precision='bf16' with optimizer={run.optimizer!r}: the bf16 run steps its fp32 "
                          f"masters with AdamW")
-    if run.zero == 3:
-        raise ValueError("precision='bf16' with zero=3: chapter 04's ZeRO-3 gathers and frees the parameters "
-                         "the chunks hold, and the bf16 run's chunks hold fp32 masters with persistent bf16 "
-                         "copies beside them (Bf16Compute), which ZeRO-3 would neither shard nor free; use "
-                         "zero=0 (DDP) or zero=1")
 
 
 def _validate_experts(run: Run) -> None:

@@ -141,6 +141,7 @@ class Bf16Compute:
             copy.__dict__.update(master.__dict__)  # marks such as ``sequence_parallel``
             copy.register_post_accumulate_grad_hook(lambda p, master=master: self._accumulate(p, master))
             self.compute[master] = copy
+        self.sharded: set = set()  # masters a ZeRO-3 keeps as shards instead (Zero3Masters): not written back
         module.register_forward_pre_hook(lambda *_: self.to_compute())
         module.register_forward_hook(lambda *_: self.to_masters())
 
@@ -161,7 +162,77 @@ class Bf16Compute:
     def write_back(self) -> None:
         """Each master, rounded to bf16, into its copy: what the next forward reads."""
         for master, copy in self.compute.items():
-            copy.copy_(master)
+            if master not in self.sharded:
+                copy.copy_(master)
+
+
+class Copies:
+    """``view`` (a module, or a view of one such as chapter 10's ``Dense``) seen through the bf16 copies of
+    its parameters (``compute``'s): what :class:`Zero3Masters` shards; the rest is ``view``'s."""
+
+    def __init__(self, view, compute: Bf16Compute):
+        self.view, self.compute = view, compute
+
+    def named_parameters(self):
+        return [(name, self.compute.compute[p]) for name, p in self.view.named_parameters()]
+
+    def parameters(self):
+        return [p for _, p in self.named_parameters()]
+
+    def __getattr__(self, name):
+        return getattr(self.view, name)
+
+
+class Zero3Masters(zero.Zero3ReduceAtStep):
+    """Chapter 04's ZeRO-3 in bf16, as FSDP2's ``MixedPrecisionPolicy(param_dtype=bfloat16,
+    reduce_dtype=float32)``: each rank keeps the fp32 rows of every master (its shards, side by side in one
+    fp32 flat buffer per unit, stepped by AdamW in fp32), casts them to bf16 and all-gathers them into the
+    bf16 copies forward reads (``Copies``: gathered and freed as chapter 04 gathers and frees), and
+    reduce-scatters the fp32 gradients :class:`Bf16Compute` accumulated in the full masters, whose own storage
+    is freed: they only carry gradients (FSDP2's ``unsharded_accumulated_grad``)."""
+
+    def __init__(self, model: Copies, units: list[Copies], group=None, **adamw):
+        super().__init__(model, units, group, **adamw)
+        compute = model.compute
+        self.master_of = {copy: master for master, copy in compute.compute.items() if copy in self.shards}
+        rank = dist.get_rank(group)
+        for i, unit in enumerate(self.units):  # the shards again, from the fp32 masters
+            self.flats[i], shards = zero.flat_shards([self.master_of[p] for p in unit], rank, self.world_size)
+            self.shards.update(zip(unit, shards))
+        self.optimizer = self.memory.optimizer = torch.optim.AdamW(list(self.shards.values()), **adamw)
+        for master in self.master_of.values():  # its shape kept (its gradient's), no storage of its own
+            master.data = master.data.new_zeros(()).expand(master.shape)
+            compute.sharded.add(master)
+
+    def _start_gather(self, i: int, async_op: bool):
+        """Unit ``i``'s fp32 rows cast to bf16, then all-gathered (half the bytes of fp32)."""
+        flat = self.flats[i].to(torch.bfloat16)
+        gathered = flat.new_empty(self.world_size * flat.numel())
+        return comms.all_gather(flat, 0, self.group, out=gathered, async_op=async_op), gathered
+
+    def reduce_scatter_gradients(self) -> None:
+        """Each unit's fp32 gradients (its masters'), one fp32 reduce-scatter per unit, averaged."""
+        missing = [self.names[p] for p in self.params if self.master_of[p].grad is None]
+        if missing:
+            raise ValueError(f"ZeRO-3: backward left no gradient for {', '.join(missing)}")
+        for i, unit in enumerate(self.units):
+            if unit:
+                grads = [self.master_of[q].grad for q in unit]
+                reduced = zero.reduce_scatter_flat(grads, self.group)
+                zero.accumulate_flat([self.shards[q] for q in unit], reduced)
+                for q in unit:
+                    self.master_of[q].grad = None
+                self._free(i)
+
+    def full_parameters(self) -> dict:
+        """Every master gathered in fp32 (for checking; a collective), under its bf16 copy."""
+        full = {}
+        for unit, flat in zip(self.units, self.flats):
+            if unit:
+                padded = [flat.new_empty(self.unsharded[p].shape) for p in unit]
+                zero.unpack_rows(comms.all_gather(flat, 0, self.group), padded, self.world_size)
+                full.update({p: t[:self.rows[p]] for p, t in zip(unit, padded)})
+        return full
 
 
 class MastersStep:
@@ -292,5 +363,6 @@ def sharded_fp16_step(model: torch.nn.Module, shard: torch.nn.Parameter, optimiz
     return stepped
 
 
-__all__ = ["MasterWeightsAdamW", "accumulated_step", "Bf16Compute", "MastersStep", "LossScaler", "fp16_loss",
+__all__ = ["MasterWeightsAdamW", "accumulated_step", "Bf16Compute", "Copies", "Zero3Masters", "MastersStep",
+           "LossScaler", "fp16_loss",
            "flat_shard", "sharded_fp16_step"]
