@@ -95,6 +95,19 @@ def test_adams_step_bound_holds_and_is_reached():
         assert step == pytest.approx(precision_bound.adam_step_bound(k), abs=1e-9), k
 
 
+def test_the_single_process_in_bf16_stays_within_the_bound(fp64):
+    """``capstone.reference_run`` in bf16 (the side-by-side curve): bf16 copies, fp32 masters, its loss a
+    float within the bound at every step; its parameters (the masters) fp32."""
+    run = five_d()
+    want, bound = fp64
+    got = capstone.reference_run(run, capstone.data(run))
+    assert all(type(loss) is float for loss in got["losses"])
+    assert {t.dtype for t in got["params"][run.steps].values()} == {torch.float32}
+    for step, (g, w, b) in enumerate(zip(got["losses"], want["losses"], bound)):
+        assert abs(g - w) <= b["bound"], (step, abs(g - w), b["bound"])
+    print("one process in bf16, gaps:", [f"{abs(g - w):.1e}" for g, w in zip(got["losses"], want["losses"])])
+
+
 @ipp.interactive  # sent by value: the engines cannot import this test module
 def _train(run, plant=None):
     import torch

@@ -25,6 +25,10 @@ the step, as ``torch.distributed.pipelining`` makes FSDP2 wait for the last micr
 are first summed over ``tp`` and the embedding group, so each reduction completes before the next one cuts
 it.
 
+With ``run.precision == "bf16"`` each chunk computes in bf16 around fp32 masters (chapter 09's
+``mixed_precision.Bf16Compute``): the reductions above all find fp32 gradients, and ZeRO-3 is its
+``Zero3Masters`` (fp32 shards, bf16 all-gathers).
+
 :func:`state` is what a rank hands back for the checks, :func:`assemble` puts the ranks' tensors back under
 the reference's names, and :func:`traffic_by_dimension` splits the ledger's bytes by the mesh dimension of the
 group each collective ran on.

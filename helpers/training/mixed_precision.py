@@ -9,6 +9,12 @@
   sums the gradients over the group on the wire in ``wire_dtype`` (:mod:`helpers.parallel.comms`: bf16
   casts, reduces in bf16, casts back): gradient accumulation and the data-parallel reduction are one sum,
   once over micro-batches, once over ranks.
+- :class:`Bf16Compute` is the same recipe for a module of any parallelism (chapter 15's ``precision="bf16"``):
+  the module keeps its fp32 parameters as the masters and swaps bf16 copies in for each forward, as FSDP2's
+  ``MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)`` does (torch 2.13.0), so every
+  reduction of the composition runs on fp32 gradients; :class:`MastersStep` rounds the stepped masters into
+  the copies, and :class:`Zero3Masters` is chapter 04's ZeRO-3 of it: fp32 shards, bf16 all-gathers, fp32
+  reduce-scatters.
 - :class:`LossScaler` is dynamic loss scaling from scratch, with the rules and defaults of
   ``torch.amp.GradScaler``: multiply the loss by the scale, unscale the gradients (by the fp32 reciprocal of
   the scale), skip the step if any gradient is inf or NaN and halve the scale, double it after
