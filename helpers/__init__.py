@@ -44,9 +44,9 @@ CHAPTERS = {
     "14": ("helpers.training.rl_objectives", "helpers.training.grpo"),
     "15": ("helpers.training.capstone", "helpers.training.capstone_checks",
            "helpers.training.capstone_faults", "helpers.training.capstone_bytes",
-           "helpers.training.capstone_memory", "helpers.training.checkpoint",
-           "helpers.training.checkpoint_pieces", "helpers.training.checkpoint_run",
-           "helpers.training.checkpoint_bytes"),
+           "helpers.training.capstone_memory", "helpers.training.precision_bound",
+           "helpers.training.checkpoint", "helpers.training.checkpoint_pieces",
+           "helpers.training.checkpoint_run", "helpers.training.checkpoint_bytes"),
 }
 
 # what every chapter uses and none teaches: ranks, checks, what a page shows, the reference model and data

@@ -25,6 +25,10 @@ the step, as ``torch.distributed.pipelining`` makes FSDP2 wait for the last micr
 are first summed over ``tp`` and the embedding group, so each reduction completes before the next one cuts
 it.
 
+With ``run.precision == "bf16"`` each chunk computes in bf16 around fp32 masters (chapter 09's
+``mixed_precision.Bf16Compute``): the reductions above all find fp32 gradients, and ZeRO-3 is its
+``Zero3Masters`` (fp32 shards, bf16 all-gathers).
+
 :func:`state` is what a rank hands back for the checks, :func:`assemble` puts the ranks' tensors back under
 the reference's names, and :func:`traffic_by_dimension` splits the ledger's bytes by the mesh dimension of the
 group each collective ran on.
@@ -45,6 +49,7 @@ from helpers.parallel.mesh import MESH_ORDER, Mesh
 from helpers.parallel.moe import MoEGPT
 from helpers.parallel.parallel_dims import ParallelDims, make_schedule
 from helpers.reference import named_grads, named_params, train_steps
+from helpers.training import mixed_precision
 
 
 def _rank(mesh: Mesh, name: str) -> int:
@@ -86,6 +91,8 @@ def apply(model, mesh: Mesh, run: ParallelDims) -> dict:
             context_parallel.parallelize(chunk, layout(model.cfg, mesh, run), mesh.group("cp"), run.attention)
         if isinstance(model, MoEGPT):
             expert_parallel.parallelize(chunk, mesh.group(run.dp_dim))
+        if run.precision == "bf16":  # bf16 copies for forward and backward; the chunk's own stay fp32
+            chunk._bf16 = mixed_precision.Bf16Compute(chunk)
     return chunks
 
 
@@ -112,6 +119,9 @@ def forward_backward(chunks: dict, mesh: Mesh, run: ParallelDims, x: torch.Tenso
     only a ``measured`` step has its saved activations measured)."""
     cfg = next(iter(chunks.values())).cfg
     xs, ys, positions = my_batch(x, y, cfg, mesh, run)
+    for chunk in chunks.values():  # bf16: the pipeline receives in the dtype of the chunks' parameters
+        if getattr(chunk, "_bf16", None) is not None:
+            chunk._bf16.to_compute()
     if mesh.size("pp") == 1:
         (chunk,) = chunks.values()
         loss, events = chunk(xs, ys, positions=positions)[1], []
@@ -163,6 +173,10 @@ def check(run: ParallelDims) -> None:
                          "(zero=3); ZeRO-2's reduce-scatter in backward would cut each gradient before "
                          "composition.reduce_gradients completes the tensor-parallel ones, and deferred to "
                          "the step it is ZeRO-1")
+    if run.precision == "bf16" and run.schedule == "zb-h1" and run.pp > 1:
+        raise ValueError("precision='bf16' with schedule='zb-h1': the zero-bubble weight step sets each "
+                         "gradient itself (pipeline_parallel.backward_weight), so the hooks that add the "
+                         "bf16 gradients into the fp32 masters' never run")
     if run.zero == 3 and run.schedule == "zb-h1" and run.pp > 1:
         raise ValueError("zero=3 with schedule='zb-h1': the zero-bubble weight step sets each gradient "
                          "itself (pipeline_parallel.backward_weight), so ZeRO-3's post-accumulate hooks "
@@ -223,6 +237,13 @@ def optimizer(chunks: dict, mesh: Mesh, run: ParallelDims, lr: float):
     """AdamW on this rank's chunks; with ``run.zero == 1`` chapter 04's ZeRO-1 over the data-parallel group
     (it reduce-scatters the gradients, steps its rows, all-gathers the parameters); with ``run.zero == 3``
     chapter 04's ZeRO-3 on each chunk (:class:`ChunksZero3`), which frees the full parameters at once."""
+    computes = [chunk._bf16 for chunk in chunks.values() if getattr(chunk, "_bf16", None) is not None]
+    if computes:  # the same optimizers over the fp32 masters, each step rounded into the bf16 copies
+        return mixed_precision.MastersStep(_optimizer(chunks, mesh, run, lr), computes)
+    return _optimizer(chunks, mesh, run, lr)
+
+
+def _optimizer(chunks: dict, mesh: Mesh, run: ParallelDims, lr: float):
     module = holder(chunks)
     if run.zero == 1 and mesh.size(run.dp_dim) > 1:
         if any(expert_parallel.is_expert(name) for name, _ in module.named_parameters()):
@@ -232,8 +253,15 @@ def optimizer(chunks: dict, mesh: Mesh, run: ParallelDims, lr: float):
         return zero.ShardedAdamW(module, 1, mesh.group(run.dp_dim), lr=lr)
     if run.zero == 3 and mesh.size(run.dp_dim) > 1:
         for chunk in chunks.values():  # each chunk keeps its ZeRO-3, which can gather it (params)
-            chunk._zero3 = zero.Zero3ReduceAtStep(Dense(chunk), [Dense(b) for b in chunk.blocks.values()],
-                                                  mesh.group(run.dp_dim), lr=lr)
+            if getattr(chunk, "_bf16", None) is not None:  # fp32 shards, bf16 copies gathered
+                bf16 = chunk._bf16
+                chunk._zero3 = mixed_precision.Zero3Masters(
+                    mixed_precision.Copies(Dense(chunk), bf16),
+                    [mixed_precision.Copies(Dense(b), bf16) for b in chunk.blocks.values()],
+                    mesh.group(run.dp_dim), lr=lr)
+            else:
+                chunk._zero3 = zero.Zero3ReduceAtStep(Dense(chunk), [Dense(b) for b in chunk.blocks.values()],
+                                                      mesh.group(run.dp_dim), lr=lr)
             chunk._zero3.memory.recording = False  # chapter 04 measures memory; a training loop need not
         experts = [p for name, p in module.named_parameters() if expert_parallel.is_expert(name)]
         return ChunksZero3([chunk._zero3 for chunk in chunks.values()], experts, lr)
@@ -274,7 +302,9 @@ def params(chunks: dict) -> dict[str, torch.Tensor]:
     for chunk in chunks.values():
         if getattr(chunk, "_zero3", None) is not None:
             full = chunk._zero3.full_parameters()
-            out.update({name: full.get(p, p).detach().cpu().clone() for name, p in chunk.named_parameters()})
+            copy = chunk._bf16.compute if getattr(chunk, "_bf16", None) is not None else {}  # bf16: by copy
+            out.update({name: full.get(copy.get(p, p), p).detach().cpu().clone()
+                        for name, p in chunk.named_parameters()})
         else:
             out.update({name: t.cpu() for name, t in named_params(chunk).items()})
     return out

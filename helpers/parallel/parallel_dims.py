@@ -36,7 +36,12 @@ from helpers.parallel.mesh import FLATTENED, MESH_ORDER, Mesh
 SCHEDULES = {"gpipe": pipeline_schedules.gpipe, "1f1b": pipeline_schedules.one_f_one_b,
              "interleaved": pipeline_schedules.interleaved_1f1b, "zb-h1": pipeline_schedules.zb_h1}
 """Chapter 06's schedules, by the name a run gives them."""
-PRECISIONS = {"fp64": torch.float64, "fp32": torch.float32}
+PRECISIONS = {"fp64": torch.float64, "fp32": torch.float32, "bf16": torch.bfloat16}
+"""The dtype forward and backward compute in, by the name a run gives it. "bf16" is mixed precision: bf16
+parameters and activations, fp32 master weights stepped by AdamW in fp32 and gradients reduced in fp32
+(:data:`MASTERS`; chapter 09's ``helpers.training.mixed_precision.Bf16Compute``)."""
+MASTERS = {"fp64": torch.float64, "fp32": torch.float32, "bf16": torch.float32}
+"""The dtype of the parameters the optimizer steps (and of the reduced gradients), by precision."""
 CHOICES = {"schedule": tuple(SCHEDULES), "precision": tuple(PRECISIONS),
            "recompute": ("none", "selective", "full"), "attention": ("ring", "ulysses"),
            "cp_layout": ("zigzag", "contiguous"),
@@ -111,7 +116,13 @@ class ParallelDims(Degrees):
 
     @property
     def dtype(self) -> torch.dtype:
+        """What forward and backward compute in (:data:`PRECISIONS`)."""
         return PRECISIONS[self.precision]
+
+    @property
+    def master_dtype(self) -> torch.dtype:
+        """What the optimizer steps and the gradients are reduced in (:data:`MASTERS`)."""
+        return MASTERS[self.precision]
 
     def rank_device(self) -> torch.device:
         """Where this rank's tensors live: the run's ``device``, or the rank's own."""
@@ -151,4 +162,5 @@ class ParallelDims(Degrees):
         return dataclasses.replace(self, **changes)
 
 
-__all__ = ["SCHEDULES", "PRECISIONS", "CHOICES", "layout_dimension", "make_schedule", "ParallelDims"]
+__all__ = ["SCHEDULES", "PRECISIONS", "MASTERS", "CHOICES", "layout_dimension", "make_schedule",
+           "ParallelDims"]

@@ -43,7 +43,7 @@ from helpers.parallel.moe import MoEConfig, MoEGPT
 from helpers.parallel.parallel_dims import PRECISIONS, SCHEDULES, ParallelDims
 from helpers.measure import LiveMemory
 from helpers.reference import batches, named_params, train_steps
-from helpers.training import distributed_muon, optimizers
+from helpers.training import distributed_muon, mixed_precision, optimizers
 
 OPTIMIZERS = ("adamw", "muon")
 MEASURED_STEP = 1  # the second step: the first also creates the optimizer's state
@@ -136,6 +136,7 @@ def validate(run: Run, world_size: int | None = None) -> None:
                                  "the parameters are compared every `every` steps, and after the last")
     if not run.lr > 0:
         raise ValueError(f"lr={run.lr} must be positive")
+    _validate_precision(run)
     run.model_config()  # the model's own refusals
     if world_size is not None:
         run.mesh(world_size)  # the mesh's: its ranks are the world's
@@ -149,6 +150,15 @@ def validate(run: Run, world_size: int | None = None) -> None:
     _validate_experts(run)
     if run.optimizer == "muon":
         _validate_muon(run)
+
+
+def _validate_precision(run: Run) -> None:
+    """bf16 (chapter 09's mixed precision) steps its fp32 masters (or ZeRO-3's fp32 shards) with AdamW."""
+    if run.precision != "bf16":
+        return
+    if run.optimizer != "adamw":
+        raise ValueError(f"precision='bf16' with optimizer={run.optimizer!r}: the bf16 run steps its fp32 "
+                         f"masters with AdamW")
 
 
 def _validate_experts(run: Run) -> None:
@@ -190,10 +200,11 @@ def _validate_muon(run: Run) -> None:
 
 def build(run: Run) -> GPT:
     """The one reference GPT (a MoE GPT with experts: by a loop over them, no grouped matmul in fp64),
-    seeded, in the run's precision."""
+    seeded, in the dtype of the run's optimizer (``run.master_dtype``: fp32 for bf16, whose bf16 copies
+    chapter 10's composition and :func:`reference_optimizer` make)."""
     if run.n_experts:
-        return MoEGPT(run.model_config(), seed=0, grouped=False).to(run.dtype)
-    return GPT(run.model_config(), seed=0).to(run.dtype)
+        return MoEGPT(run.model_config(), seed=0, grouped=False).to(run.master_dtype)
+    return GPT(run.model_config(), seed=0).to(run.master_dtype)
 
 
 def data(run: Run) -> list:
@@ -225,7 +236,12 @@ def optimizer(chunks: dict[int, GPT], mesh: Mesh, run: Run):
 
 
 def reference_optimizer(model: nn.Module, run: Run):
-    """The single process's optimizer: ``torch.optim.AdamW``, or Muon with AdamW for the rest."""
+    """The single process's optimizer: ``torch.optim.AdamW``, or Muon with AdamW for the rest. In bf16 it
+    makes ``model`` compute in bf16 (chapter 09's ``Bf16Compute``: its fp32 parameters become the masters)
+    and steps the masters with AdamW in fp32, rounding them into the bf16 copies after each step."""
+    if run.precision == "bf16":
+        return mixed_precision.MastersStep(torch.optim.AdamW(model.parameters(), lr=run.lr),
+                                           [mixed_precision.Bf16Compute(model)])
     if run.optimizer == "adamw":
         return torch.optim.AdamW(model.parameters(), lr=run.lr)
     matrices, rest = optimizers.muon_params(model)

@@ -9,6 +9,12 @@
   sums the gradients over the group on the wire in ``wire_dtype`` (:mod:`helpers.parallel.comms`: bf16
   casts, reduces in bf16, casts back): gradient accumulation and the data-parallel reduction are one sum,
   once over micro-batches, once over ranks.
+- :class:`Bf16Compute` is the same recipe for a module of any parallelism (chapter 15's ``precision="bf16"``):
+  the module keeps its fp32 parameters as the masters and swaps bf16 copies in for each forward, as FSDP2's
+  ``MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)`` does (torch 2.13.0), so every
+  reduction of the composition runs on fp32 gradients; :class:`MastersStep` rounds the stepped masters into
+  the copies, and :class:`Zero3Masters` is chapter 04's ZeRO-3 of it: fp32 shards, bf16 all-gathers, fp32
+  reduce-scatters.
 - :class:`LossScaler` is dynamic loss scaling from scratch, with the rules and defaults of
   ``torch.amp.GradScaler``: multiply the loss by the scale, unscale the gradients (by the fp32 reciprocal of
   the scale), skip the step if any gradient is inf or NaN and halve the scale, double it after
@@ -109,6 +115,149 @@ def accumulated_step(model: torch.nn.Module, optimizer: MasterWeightsAdamW, micr
     optimizer.step()
     optimizer.zero_grad()
     return total, used
+
+
+class Bf16Compute:
+    """A module computing in bf16 while its parameters stay fp32 masters: FSDP2's
+    ``MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)`` without the sharding, with
+    Megatron-LM's fp32 ``main_grad`` accumulation.
+
+    Each fp32 parameter of ``module`` (the master) gets a bf16 copy (``compute[master]``, rounded to nearest).
+    Around each forward the module's parameter slots hold the bf16 copies (:meth:`to_compute`, a forward
+    pre-hook), so that forward and the backward autograd records read bf16 and every activation is bf16; after
+    it they hold the masters again (:meth:`to_masters`, a forward hook), as FSDP2 registers its unsharded
+    bf16 parameters on the module for forward and its sharded fp32 ones after. Each bf16 gradient backward
+    produces is added into its master's fp32 ``.grad`` (exactly: bf16 converts to fp32 without rounding) and
+    freed, so micro-batches accumulate in fp32, and whatever reduces the module's gradients afterwards (the
+    composition's tensor-parallel, pipeline, data- and expert-parallel sums) finds fp32 masters holding fp32
+    gradients. An optimizer of the masters steps them; :meth:`write_back` rounds them into the copies.
+    """
+
+    def __init__(self, module: torch.nn.Module):
+        self.slots = [(m, name, p) for m in module.modules() for name, p in m._parameters.items()
+                      if p is not None]
+        self.masters = list({id(p): p for _, _, p in self.slots}.values())  # a tied weight once
+        wrong = sorted({str(p.dtype) for p in self.masters if p.dtype != torch.float32})
+        if wrong:
+            raise ValueError(f"Bf16Compute keeps fp32 masters: the module's parameters must be float32, not "
+                             f"{', '.join(wrong)}")
+        self.compute = {}
+        for master in self.masters:
+            copy = torch.nn.Parameter(master.detach().to(torch.bfloat16), requires_grad=master.requires_grad)
+            copy.__dict__.update(master.__dict__)  # marks such as ``sequence_parallel``
+            copy.register_post_accumulate_grad_hook(lambda p, master=master: self._accumulate(p, master))
+            self.compute[master] = copy
+        self.sharded: set = set()  # masters a ZeRO-3 keeps as shards instead (Zero3Masters): not written back
+        module.register_forward_pre_hook(lambda *_: self.to_compute())
+        module.register_forward_hook(lambda *_: self.to_masters())
+
+    @staticmethod
+    def _accumulate(p: torch.nn.Parameter, master: torch.nn.Parameter) -> None:
+        master.grad = p.grad.float() if master.grad is None else master.grad.add_(p.grad)
+        p.grad = None
+
+    def to_compute(self) -> None:
+        for module, name, master in self.slots:
+            module._parameters[name] = self.compute[master]
+
+    def to_masters(self) -> None:
+        for module, name, master in self.slots:
+            module._parameters[name] = master
+
+    @torch.no_grad()
+    def write_back(self) -> None:
+        """Each master, rounded to bf16, into its copy: what the next forward reads."""
+        for master, copy in self.compute.items():
+            if master not in self.sharded:
+                copy.copy_(master)
+
+
+class Copies:
+    """``view`` (a module, or a view of one such as chapter 10's ``Dense``) seen through the bf16 copies of
+    its parameters (``compute``'s): what :class:`Zero3Masters` shards; the rest is ``view``'s."""
+
+    def __init__(self, view, compute: Bf16Compute):
+        self.view, self.compute = view, compute
+
+    def named_parameters(self):
+        return [(name, self.compute.compute[p]) for name, p in self.view.named_parameters()]
+
+    def parameters(self):
+        return [p for _, p in self.named_parameters()]
+
+    def __getattr__(self, name):
+        return getattr(self.view, name)
+
+
+class Zero3Masters(zero.Zero3ReduceAtStep):
+    """Chapter 04's ZeRO-3 in bf16, as FSDP2's ``MixedPrecisionPolicy(param_dtype=bfloat16,
+    reduce_dtype=float32)``: each rank keeps the fp32 rows of every master (its shards, side by side in one
+    fp32 flat buffer per unit, stepped by AdamW in fp32), casts them to bf16 and all-gathers them into the
+    bf16 copies forward reads (``Copies``: gathered and freed as chapter 04 gathers and frees), and
+    reduce-scatters the fp32 gradients :class:`Bf16Compute` accumulated in the full masters, whose own storage
+    is freed: they only carry gradients (FSDP2's ``unsharded_accumulated_grad``)."""
+
+    def __init__(self, model: Copies, units: list[Copies], group=None, **adamw):
+        super().__init__(model, units, group, **adamw)
+        compute = model.compute
+        self.master_of = {copy: master for master, copy in compute.compute.items() if copy in self.shards}
+        rank = dist.get_rank(group)
+        for i, unit in enumerate(self.units):  # the shards again, from the fp32 masters
+            self.flats[i], shards = zero.flat_shards([self.master_of[p] for p in unit], rank, self.world_size)
+            self.shards.update(zip(unit, shards))
+        self.optimizer = self.memory.optimizer = torch.optim.AdamW(list(self.shards.values()), **adamw)
+        for master in self.master_of.values():  # its shape kept (its gradient's), no storage of its own
+            master.data = master.data.new_zeros(()).expand(master.shape)
+            compute.sharded.add(master)
+
+    def _start_gather(self, i: int, async_op: bool):
+        """Unit ``i``'s fp32 rows cast to bf16, then all-gathered (half the bytes of fp32)."""
+        flat = self.flats[i].to(torch.bfloat16)
+        gathered = flat.new_empty(self.world_size * flat.numel())
+        return comms.all_gather(flat, 0, self.group, out=gathered, async_op=async_op), gathered
+
+    def reduce_scatter_gradients(self) -> None:
+        """Each unit's fp32 gradients (its masters'), one fp32 reduce-scatter per unit, averaged."""
+        missing = [self.names[p] for p in self.params if self.master_of[p].grad is None]
+        if missing:
+            raise ValueError(f"ZeRO-3: backward left no gradient for {', '.join(missing)}")
+        for i, unit in enumerate(self.units):
+            if unit:
+                grads = [self.master_of[q].grad for q in unit]
+                reduced = zero.reduce_scatter_flat(grads, self.group)
+                zero.accumulate_flat([self.shards[q] for q in unit], reduced)
+                for q in unit:
+                    self.master_of[q].grad = None
+                self._free(i)
+
+    def full_parameters(self) -> dict:
+        """Every master gathered in fp32 (for checking; a collective), under its bf16 copy."""
+        full = {}
+        for unit, flat in zip(self.units, self.flats):
+            if unit:
+                padded = [flat.new_empty(self.unsharded[p].shape) for p in unit]
+                zero.unpack_rows(comms.all_gather(flat, 0, self.group), padded, self.world_size)
+                full.update({p: t[:self.rows[p]] for p, t in zip(unit, padded)})
+        return full
+
+
+class MastersStep:
+    """``optimizer`` (of the fp32 masters of the :class:`Bf16Compute` in ``computes``; AdamW's moments fp32
+    too), each step followed by every master's rounding into its bf16 copy; the rest is ``optimizer``'s."""
+
+    def __init__(self, optimizer, computes: list[Bf16Compute]):
+        self.optimizer, self.computes = optimizer, computes
+
+    def step(self) -> None:
+        self.optimizer.step()
+        for compute in self.computes:
+            compute.write_back()
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad()
+
+    def __getattr__(self, name):
+        return getattr(self.optimizer, name)
 
 
 # --------------------------------------------------------------------------------------------- fp16
@@ -220,5 +369,6 @@ def sharded_fp16_step(model: torch.nn.Module, shard: torch.nn.Parameter, optimiz
     return stepped
 
 
-__all__ = ["MasterWeightsAdamW", "accumulated_step", "LossScaler", "fp16_loss",
+__all__ = ["MasterWeightsAdamW", "accumulated_step", "Bf16Compute", "Copies", "Zero3Masters", "MastersStep",
+           "LossScaler", "fp16_loss",
            "flat_shard", "sharded_fp16_step"]
