@@ -29,7 +29,17 @@ from helpers.parallel import composition, context_parallel, expert_parallel, ten
 from helpers.parallel.mesh import Mesh
 from helpers.parallel.parallel_dims import make_schedule
 from helpers.reference import named_params
-from helpers.training.capstone import Run, build, reference_run
+from helpers.training.capstone import TOLERANCES, Run, build, reference_run
+
+
+def tolerance(run: Run) -> dict:
+    """The run's ``rtol`` against one process of its own precision (``capstone.TOLERANCES``); a bf16 run has
+    none: it is held to ``precision_bound``'s bound against the fp64 process instead."""
+    if run.precision not in TOLERANCES:
+        raise ValueError(f"precision={run.precision!r} has no tolerance against one process of its own "
+                         f"precision ({', '.join(TOLERANCES)} have): chapter 15 holds a bf16 run to "
+                         f"precision_bound's bound against the fp64 process")
+    return TOLERANCES[run.precision]
 
 
 def shared_reference(run: Run, batches_) -> dict:
@@ -254,5 +264,5 @@ def check_dimensions(run: Run, mesh: Mesh, out: dict, seen: Recorder) -> None:
     _agree(CHECKS["pp"], _pp_findings(run, mesh, out))
 
 
-__all__ = ["Recorder", "layout_positions", "CHECKS", "check_dimensions", "shared_reference", "losses",
-           "assembled", "largest_difference", "differences", "reference_shards"]
+__all__ = ["Recorder", "layout_positions", "CHECKS", "check_dimensions", "tolerance", "shared_reference",
+           "losses", "assembled", "largest_difference", "differences", "reference_shards"]
