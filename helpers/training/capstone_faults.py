@@ -64,6 +64,27 @@ PLANTS = {
 }
 
 
+def applicable(run) -> list[str]:
+    """The faults of :data:`FAULTS` that ``run`` has the code for: the dimension above 1 and, for ``dp``,
+    ZeRO-3's reduce-scatter; for ``tp``, sequence parallelism's norms."""
+    has = {"cp": run.cp > 1, "ep": run.n_experts > 0 and run.ep > 1,
+           "dp": run.zero == 3 and run.dp * run.cp > 1, "tp": run.tp > 1 and run.sequence_parallel,
+           "pp": run.pp > 1}
+    return [name for name in FAULTS if has[name]]
+
+
+def same_numbers(name: str, run) -> str | None:
+    """Why fault ``name`` leaves ``run``'s numbers as one process's (only its own dimension's check can see
+    it), or ``None`` where it moves them."""
+    if name == "pp":
+        return ("the two backwards it swaps are of one chunk's two micro-batches, whose gradients add either "
+                "way")
+    if name == "cp" and run.attention == "ulysses":
+        return ("Ulysses attends over the whole sequence, gathered: the two chunks in the other order are "
+                "the same tokens at the same positions")
+    return None
+
+
 @contextlib.contextmanager
 def plant(name: str):
     """Fault ``name`` of :data:`FAULTS` in place within the block, on this rank."""
@@ -78,4 +99,4 @@ def plant(name: str):
         setattr(owner, attribute, correct)
 
 
-__all__ = ["FAULTS", "PLANTS", "plant"]
+__all__ = ["FAULTS", "PLANTS", "applicable", "same_numbers", "plant"]
