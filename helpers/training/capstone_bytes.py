@@ -62,7 +62,7 @@ class Param:
     name: str
     shape: tuple[int, ...]
     unit: str
-    sequence_parallel: bool = False
+    sp_summed: bool = False
     expert: bool = False
 
     @property
@@ -114,7 +114,7 @@ def rank_chunks(run: capstone.Run, pp_rank: int) -> list[int]:
 def _sizes(run: capstone.Run) -> dict:
     cfg = run.model_config()
     micro_batch = run.global_batch // (run.dp * run.m)
-    e = torch.empty((), dtype=run.dtype).element_size()
+    e = run.dtype.itemsize
     s_cp = cfg.seq_len // run.cp  # the positions one cp rank holds
     return dict(cfg=cfg, b=micro_batch, e=e, s_cp=s_cp,
                 x=micro_batch * s_cp * cfg.d_model * e)  # chapter 01's x: one micro-batch's activation
@@ -199,11 +199,11 @@ def _tp_items(run, z, chunks, n_chunks, params, layers, is_moe) -> list:
         out.append(("tp", f"chunk {c}: tensor_parallel_traffic, {dense} dense + {moe} MoE layers"
                     f"{', embedding' if c == 0 else ''}{', head' if c == n_chunks - 1 else ''}", whole(sent)))
         if c == n_chunks - 1:  # max, target logit, sum of exponentials: at least fp32 (chapter 05)
-            loss = torch.empty((), dtype=torch.promote_types(run.dtype, torch.float32)).element_size()
+            loss = torch.promote_types(run.dtype, torch.float32).itemsize
             one = time_model.ring_all_reduce_bytes(z["b"] * z["s_cp"] * loss, tp)
             out.append(("tp", f"chunk {c}: vocabulary-parallel cross-entropy, 3 x {m} all-reduces",
                         whole(3 * m * one)))
-        summed = sum(p.numel for p in params[c] if p.sequence_parallel)
+        summed = sum(p.numel for p in params[c] if p.sp_summed)
         if summed:
             out.append(("tp", f"chunk {c}: all-reduce of the sequence-parallel gradients ({summed} numbers)",
                         whole(time_model.ring_all_reduce_bytes(summed * e, tp))))
@@ -267,7 +267,7 @@ def _ep_items(run, z, where, chunks, layers, is_moe, routing) -> list:
         for i in (i for i in layers[c] if is_moe(i)):
             rows = [routed_rows(run, where, routing, i, micro) for micro in range(run.m)]
             leave, arrive = sum(r["leave"] for r in rows), sum(r["arrive"] for r in rows)
-            int64 = torch.empty((), dtype=torch.int64).element_size()
+            int64 = torch.int64.itemsize
             counts = run.m * (ep - 1) * (cfg.n_experts // ep) * int64
             out.append(("ep", f"block {i}: split sizes, {run.m} all-to-alls of int64 counts", counts))
             out.append(("ep", f"block {i}: dispatch and combine's backward, {leave} rows leaving",
@@ -320,7 +320,7 @@ def calculator(run: capstone.Run) -> dict[int, dict[str, float]]:
     """Chapter 01's calculator's bytes for one step of each pipeline stage (``budget(...).sent``), in its own
     names (``dp`` is the dense parameters' group: ``parallel_dims.layout_dimension`` maps the mesh's names to
     these)."""
-    shape, e = capstone.model_shape(run), torch.empty((), dtype=run.dtype).element_size()
+    shape, e = capstone.model_shape(run), run.dtype.itemsize
     precision = memory_budget.Precision(run.precision, e, e, 0, 2 * e, e)  # AdamW's moments, no master copy
     return {stage: memory_budget.budget(shape, run.batch(), run.layout(), precision, stage=stage).sent
             for stage in range(run.pp)}

@@ -203,7 +203,7 @@ def _dp_findings(run: Run, mesh: Mesh, seen: Recorder) -> list[str]:
         for name, g in full.items():
             mean = _gather(g.unsqueeze(0), group).sum(0) / dp
             k = -(-g.shape[0] // dp)
-            want = torch.zeros((k, *g.shape[1:]), dtype=g.dtype)
+            want = torch.zeros((k, *g.shape[1:]), dtype=g.dtype, device=g.device)
             rows = mean[rank * k:(rank + 1) * k]
             want[:rows.shape[0]] = rows
             off = (reduced[name] - want).abs().max().item() / (want.abs().max().item() or 1.0)

@@ -59,7 +59,7 @@ def _shapes(run: capstone.Run, where: dict) -> dict:
 
 def _sizes(run: capstone.Run) -> tuple[int, int]:
     """Bytes of one number in the run's precision, and of AdamW's step counter (the default dtype)."""
-    return torch.empty((), dtype=run.dtype).element_size(), torch.empty(()).element_size()
+    return run.dtype.itemsize, torch.get_default_dtype().itemsize
 
 
 def predicted(run: capstone.Run, where: dict) -> dict[str, int]:
@@ -158,7 +158,7 @@ def layer_saved(run: capstone.Run, where: dict, routing: dict | None, layer: int
     mlp = (2 * T * d * e + T * 2 * e) + b * s_cp * F * 2 * e // run.tp  # ln2 and the MLP's input; hidden
     rows = capstone_bytes.routed_rows(run, where, routing, layer, micro)
     R, A = T * k, rows["stay"] + rows["arrive"]
-    i64 = torch.empty((), dtype=torch.int64).element_size()
+    i64 = torch.int64.itemsize
     moe = (T * d * e + T * 2 * e          # the second norm's input and statistics
            + T * d * e + T * E * e        # the router's input, the softmax's probabilities
            + T * k * i64 + T * k * e + T * e + T * k  # chosen experts, gates and their sum, kept mask (1 B)
