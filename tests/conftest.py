@@ -59,6 +59,17 @@ def eight():
     r.stop()
 
 
+@pytest.fixture(scope="module")
+def sixteen():
+    """Sixteen ranks for one test module: chapter 15's five-dimensional run (a long collective timeout: 16
+    ranks share two cores)."""
+    from helpers.ranks import start_ranks
+
+    r = start_ranks(16, timeout_s=120, activate=False)
+    yield r
+    r.stop()
+
+
 def small_config(**changes) -> GPTConfig:
     """Two layers of d_model 32, four query heads over two KV heads: every degree 2 divides what it must, and
     a step takes milliseconds on two ranks."""

@@ -33,17 +33,6 @@ def five_d(**changes) -> capstone.Run:
     return capstone.chapter_run(**changes)
 
 
-@pytest.fixture(scope="module")
-def sixteen():
-    from helpers.ranks import start_ranks
-
-    started = time.perf_counter()
-    r = start_ranks(16, timeout_s=120, activate=False)
-    print(f"16 ranks started in {time.perf_counter() - started:.1f} s")
-    yield r
-    r.stop()
-
-
 INVALID = {
     "ZeRO-1 with experts": (dict(zero=1), r"zero=1 with experts: ZeRO-1 over dp_shard_cp would average"),
     "ep not the data-parallel group": (dict(ep=2), r"ep=2: .* folds the experts onto the whole data-parallel "

@@ -52,17 +52,6 @@ def five_d(**changes) -> capstone.Run:
 
 
 @pytest.fixture(scope="module")
-def sixteen():
-    from helpers.ranks import start_ranks
-
-    started = time.perf_counter()
-    r = start_ranks(16, timeout_s=120, activate=False)
-    print(f"16 ranks started in {time.perf_counter() - started:.1f} s")
-    yield r
-    r.stop()
-
-
-@pytest.fixture(scope="module")
 def fp64():
     """The fp64 single process of the run, and the bound at each of its steps (both independent of the bf16
     code: ``torch.optim.AdamW`` on the fp64 model)."""

@@ -34,15 +34,6 @@ def five_d(**changes) -> capstone.Run:
     return capstone.chapter_run(**{**FIVE_D, **changes})
 
 
-@pytest.fixture(scope="module")
-def sixteen():
-    from helpers.ranks import start_ranks
-
-    r = start_ranks(16, timeout_s=120, activate=False)
-    yield r
-    r.stop()
-
-
 @ipp.interactive  # sent by value: the engines cannot import this test module
 def _measure(run, plant=None):
     import contextlib

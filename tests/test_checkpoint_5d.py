@@ -41,15 +41,6 @@ def layout(base, **changes):
     return capstone.chapter_run(**{**base, **changes})
 
 
-@pytest.fixture(scope="module")
-def sixteen():
-    from helpers.ranks import start_ranks
-
-    r = start_ranks(16, timeout_s=120, activate=False)
-    yield r
-    r.stop()
-
-
 @ipp.interactive  # sent by value: the engines cannot import this test module
 def _save(run, path, at):
     from helpers.training import capstone, checkpoint_run
