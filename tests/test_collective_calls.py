@@ -55,8 +55,19 @@ EXCEPTIONS = {
     ("helpers/training/capstone.py", "train", "barrier"): "every rank starts the measured step together",
     ("helpers/training/checkpoint.py", "_check_names", "all_gather_object"):
         "every rank's tensor names and problems, so that all ranks refuse a bad checkpoint alike",
-    ("helpers/training/capstone.py", "shared_reference", "broadcast_object_list"):
+    ("helpers/training/capstone_checks.py", "shared_reference", "broadcast_object_list"):
         "rank 0's single-process reference run, sent as a Python object to check against",
+    ("helpers/training/capstone_checks.py", "_agree", "all_gather_object"):
+        "every rank's findings of a dimension's check to every rank, so that all fail it alike",
+    ("helpers/training/capstone_checks.py", "_gather", "all_gather"):
+        "a check's gather of what a dimension's group holds, after the run: not the run's traffic",
+    ("helpers/training/capstone_checks.py", "_tp_findings", "broadcast"):
+        "a check's copy of tp rank 0's tensor, after the run: not the run's traffic",
+    ("helpers/training/checkpoint_pieces.py", "share", "all_gather_object"):
+        "every rank's boxes to every rank, so that each box several ranks keep is written a part by each",
+    ("notebooks/15_capstone.md", "<module>", "broadcast_object_list"):
+        "rank 0's checkpoint folder to every rank",
+    ("notebooks/15_capstone.md", "<module>", "barrier"): "every rank done reading before the folder goes",
     ("notebooks/09_mixed_precision.md", "scaler_checker", "all_gather_object"):
         "the exercise checker gathers every rank's verdicts to print them once",
     # what the reader writes: the exercise asks for torch's collective by name (it is to be written without
