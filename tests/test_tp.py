@@ -85,6 +85,9 @@ def test_a_block_it_cannot_split_is_refused_before_anything_changes(stand_in):
 def test_a_moe_layer_stays_whole_and_under_sp_its_gradients_are_summed(stand_in):
     model = GPT(CFG, seed=0)
     model.blocks[1].mlp = moe.MoELayer(moe.MoEConfig(**{**vars(CFG), "n_experts": 2, "top_k": 1}))
+    with torch.no_grad():  # the layer alone leaves its experts uninitialised: NaN bits would fail torch.equal
+        for p in model.blocks[1].mlp.parameters():
+            p.normal_(generator=torch.Generator().manual_seed(0))
     whole = {n: t for n, t in named_params(model).items() if n.startswith("blocks.1.mlp.")}
     tensor_parallel.parallelize(model, StandInGroup(0, 2), sequence_parallel=True)
     assert type(model.blocks[1].mlp) is moe.MoELayer
