@@ -31,9 +31,7 @@ import pytest
 from helpers.training import capstone, capstone_checks
 
 STEPS, AT = 6, 3
-FIVE_D = dict(pp=2, dp_shard=2, cp=2, tp=2, ep=4, n_experts=8, top_k=2, moe_every=2, n_layers=4,
-              schedule="interleaved", vpp=2, m=2, zero=3, sequence_parallel=True, attention="ring",
-              steps=STEPS, every=STEPS)
+FIVE_D = dict(steps=STEPS, every=STEPS)  # chapter 15's run (capstone.chapter_run), for STEPS steps
 TP4 = dict(FIVE_D, cp=1, tp=4, ep=2)  # no context parallelism, TP 4: the experts over dp_shard=2
 
 
